@@ -1,0 +1,163 @@
+"""Bucketed gradient all-reduce started from backward hooks, as DDP's reducer does.
+
+Parameters are assigned to buckets in reverse registration order (the order in which
+backward usually produces their gradients), at most ``bucket_cap_bytes`` each and one dtype
+per bucket. A post-accumulate-grad hook marks a parameter ready; when a bucket's last
+parameter is ready its gradients are copied into the bucket, divided by the group size and
+all-reduced asynchronously, so communication overlaps the rest of backward. ``finish()``
+(called from ``step()``) launches what backward did not reach, waits, and writes the
+averaged gradients back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from cpdpkit.errors import DistributedSetupError
+from cpdpkit.sync._comm import Communicator
+
+__all__ = ["GradientBuckets"]
+
+
+@dataclass
+class _Bucket:
+    params: list[torch.Tensor]
+    offsets: list[int]
+    buffer: torch.Tensor
+    ready: int = 0
+    comm: Communicator | None = None
+    work: dist.Work | None = None
+    launched: bool = False
+    ready_ids: set[int] = field(default_factory=set)
+
+
+class GradientBuckets:
+    """Gradient buckets with backward hooks (see module docstring).
+
+    ``target`` is called at hook time and returns the :class:`Communicator` this backward's
+    gradients are averaged over, or ``None`` when the coming step does not synchronise them.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        *,
+        bucket_cap_bytes: int,
+        target: Callable[[], Communicator | None],
+    ) -> None:
+        self._target = target
+        self._buckets: list[_Bucket] = []
+        self._bucket_of: dict[int, _Bucket] = {}
+        self._handles = []
+        self._build(list(reversed(list(params))), bucket_cap_bytes)
+        self.enabled = True  # False inside PeriodicSyncOptimizer.no_sync()
+        for p in params:
+            self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    def _build(self, ordered: list[torch.Tensor], cap: int) -> None:
+        current: list[torch.Tensor] = []
+        size = 0
+        for p in ordered:
+            nbytes = p.numel() * p.element_size()
+            same_kind = not current or (current[0].dtype, current[0].device) == (p.dtype, p.device)
+            if current and (size + nbytes > cap or not same_kind):
+                self._add_bucket(current)
+                current, size = [], 0
+            current.append(p)
+            size += nbytes
+        if current:
+            self._add_bucket(current)
+
+    def _add_bucket(self, params: list[torch.Tensor]) -> None:
+        offsets, total = [], 0
+        for p in params:
+            offsets.append(total)
+            total += p.numel()
+        buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
+        bucket = _Bucket(params, offsets, buffer)
+        self._buckets.append(bucket)
+        for p in params:
+            self._bucket_of[id(p)] = bucket
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._buckets)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # -- during backward ---------------------------------------------------------------
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if not self.enabled:
+            return
+        comm = self._target()
+        if comm is None:
+            return
+        bucket = self._bucket_of[id(param)]
+        if bucket.launched:
+            raise DistributedSetupError(
+                "a gradient was produced twice before step() on a step that synchronises "
+                "gradients: wrap the earlier backward passes of a gradient accumulation in "
+                "`with opt.no_sync():`"
+            )
+        if id(param) not in bucket.ready_ids:
+            bucket.ready_ids.add(id(param))
+            bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            self._launch(bucket, comm)
+
+    @torch.no_grad()
+    def _launch(self, bucket: _Bucket, comm: Communicator) -> None:
+        with record_function("cpdpkit::sync::grad_allreduce"):
+            for p, off in zip(bucket.params, bucket.offsets):
+                view = bucket.buffer[off : off + p.numel()]
+                if p.grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(p.grad.reshape(-1))
+            bucket.buffer.div_(comm.size)
+            bucket.work = comm.all_reduce_sum_async(bucket.buffer)
+            bucket.comm = comm
+            bucket.launched = True
+
+    # -- in step() -----------------------------------------------------------------------
+    def pending(self) -> bool:
+        return any(b.launched for b in self._buckets)
+
+    @torch.no_grad()
+    def finish(self, comm: Communicator) -> None:
+        """Launch buckets backward did not complete, wait for all, write gradients back.
+
+        A parameter without a gradient on this rank contributes zeros (its averaged
+        gradient is then set, as on the ranks that used it).
+        """
+        for bucket in self._buckets:
+            if not bucket.launched:
+                self._launch(bucket, comm)
+        with comm.blocking("grad_wait"):
+            for bucket in self._buckets:
+                assert bucket.work is not None and bucket.comm is not None
+                bucket.comm.wait(bucket.work)
+        for bucket in self._buckets:
+            for p, off in zip(bucket.params, bucket.offsets):
+                view = bucket.buffer[off : off + p.numel()].view_as(p)
+                if p.grad is None:
+                    p.grad = view.clone()
+                else:
+                    p.grad.copy_(view)
+            bucket.ready, bucket.launched, bucket.work, bucket.comm = 0, False, None, None
+            bucket.ready_ids.clear()
+
+    def reset(self) -> None:
+        """Forget readiness from a backward whose step does not synchronise (no launch)."""
+        for bucket in self._buckets:
+            assert not bucket.launched
+            bucket.ready = 0
+            bucket.ready_ids.clear()

@@ -1,0 +1,100 @@
+"""What a reconciliation does to module buffers and to the inner optimizer's state.
+
+* buffers: ``average`` (floating buffers averaged, others such as BatchNorm's
+  ``num_batches_tracked`` broadcast from the group's first rank), ``broadcast`` (all from the
+  first rank, what DDP does before each forward), ``local`` (left alone).
+* optimizer state: ``keep`` (left alone), ``average`` (floating state tensors averaged; step
+  counters are equal on every rank and left alone), ``reset`` (state dropped, as if the inner
+  optimizer started afresh from the reconciled parameters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from cpdpkit.sync._comm import Communicator
+
+__all__ = ["sync_buffers", "sync_optimizer_state"]
+
+
+def _flatten_by_dtype(tensors: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault((t.dtype, t.device), []).append(t)
+    return [(torch.cat([t.reshape(-1) for t in ts]), ts) for ts in by_dtype.values()]
+
+
+@torch.no_grad()
+def _write_back(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+@torch.no_grad()
+def _average(comm: Communicator, tensors: Sequence[torch.Tensor], cap_bytes: int) -> None:
+    groups = _flatten_by_dtype(tensors)
+    comm.average_([flat for flat, _ in groups], cap_bytes)
+    for flat, ts in groups:
+        _write_back(flat, ts)
+
+
+@torch.no_grad()
+def _broadcast(comm: Communicator, tensors: Sequence[torch.Tensor], cap_bytes: int) -> None:
+    groups = _flatten_by_dtype(tensors)
+    comm.broadcast_([flat for flat, _ in groups], cap_bytes)
+    for flat, ts in groups:
+        _write_back(flat, ts)
+
+
+def sync_buffers(
+    comm: Communicator, buffers: Sequence[torch.Tensor], policy: str, cap_bytes: int
+) -> None:
+    """Apply the buffer policy (see module docstring) across ``comm``'s group."""
+    if policy == "local" or not buffers:
+        return
+    with comm.blocking("buffer_sync"):
+        if policy == "broadcast":
+            _broadcast(comm, buffers, cap_bytes)
+            return
+        floating = [b for b in buffers if b.is_floating_point()]
+        other = [b for b in buffers if not b.is_floating_point()]
+        if floating:
+            _average(comm, floating, cap_bytes)
+        if other:
+            _broadcast(comm, other, cap_bytes)
+
+
+def _floating_state(
+    state: dict, params: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    out = []
+    for p in params:
+        for key, value in sorted(state.get(p, {}).items(), key=lambda kv: str(kv[0])):
+            if key == "step":
+                continue
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() > 0:
+                out.append(value)
+    return out
+
+
+def sync_optimizer_state(
+    comm: Communicator,
+    optimizer: torch.optim.Optimizer,
+    params: Sequence[torch.Tensor],
+    policy: str,
+    cap_bytes: int,
+) -> None:
+    """Apply the optimizer-state policy (see module docstring) to ``optimizer.state``."""
+    if policy == "keep":
+        return
+    if policy == "reset":
+        optimizer.state.clear()
+        return
+    tensors = _floating_state(optimizer.state, params)
+    if tensors:
+        with comm.blocking("state_sync"):
+            _average(comm, tensors, cap_bytes)

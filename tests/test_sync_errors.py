@@ -1,0 +1,96 @@
+"""Bad input to PeriodicSyncOptimizer: one clear error, before any collective."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import sync_scenarios as sc
+from cpdpkit.errors import ConfigError, DistributedSetupError
+from cpdpkit.sync import PeriodicSyncOptimizer, SyncConfig
+from dist_utils import run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"period": 0}, "period must be an integer >= 1, got 0: pass period=1 to reconcile "
+                        "every step, or a larger K"),
+        ({"strategy": "fedavg"}, "unknown strategy 'fedavg': choose one of ddp, localsgd, "
+                                 "slowmo, cpdp"),
+        ({"warmup_steps": -1}, "warmup_steps must be an integer >= 0, got -1: pass 0 for no "
+                               "warm-up"),
+        ({"slowmo_momentum": 1.0}, "slowmo_momentum must be in [0, 1), got 1.0: SlowMo's β is "
+                                   "usually 0.5-0.8"),
+        ({"slowmo_lr": 0}, "slowmo_lr must be > 0, got 0: pass 1.0 for SlowMo's default α"),
+        ({"buffers": "sum"}, "unknown buffers 'sum': choose one of average, broadcast, local"),
+        ({"optimizer_state": "drop"}, "unknown optimizer_state 'drop': choose one of keep, "
+                                      "average, reset"),
+        ({"bucket_cap_mb": 0}, "bucket_cap_mb must be > 0, got 0: DDP's default is 25"),
+    ],
+)
+def test_config_errors_name_value_and_fix(kwargs, message):
+    with pytest.raises(ConfigError) as info:
+        SyncConfig(**kwargs)
+    assert str(info.value) == message
+
+
+def test_schedule_arithmetic():
+    cfg = SyncConfig(strategy="cpdp", period=4, warmup_steps=2)
+    kinds = [cfg.step_kind(n).value for n in range(1, 11)]
+    assert kinds == ["warmup", "warmup", "local", "local", "local", "reconcile",
+                     "local", "local", "local", "reconcile"]
+    assert [cfg.syncs_gradients(n) for n in (1, 2, 3, 6)] == [True, True, False, True]
+    lsgd = SyncConfig(strategy="localsgd", period=4, warmup_steps=2)
+    assert not lsgd.syncs_gradients(6) and lsgd.averages_parameters(6)
+    assert all(SyncConfig(strategy="ddp").syncs_gradients(n) for n in range(1, 5))
+
+
+def test_errors_without_process_group():
+    model = nn.Linear(2, 2)
+    with pytest.raises(DistributedSetupError, match="torch.distributed is not initialised"):
+        PeriodicSyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer, got list"):
+        PeriodicSyncOptimizer([], model=model)  # type: ignore[arg-type]
+
+
+def _foreign_and_fp16(rank: int, world: int) -> dict:
+    out = {}
+    model, other = nn.Linear(2, 2), nn.Linear(2, 2)
+    try:
+        PeriodicSyncOptimizer(torch.optim.SGD(other.parameters(), lr=0.1), model=model)
+    except ConfigError as exc:
+        out["foreign"] = str(exc)
+    half = nn.Linear(2, 2).half()
+    try:
+        PeriodicSyncOptimizer(torch.optim.SGD(half.parameters(), lr=0.1), model=half,
+                              strategy="slowmo")
+    except ConfigError as exc:
+        out["fp16"] = str(exc)
+    ok = PeriodicSyncOptimizer(torch.optim.SGD(half.parameters(), lr=0.1), model=half,
+                               strategy="slowmo", anchor_dtype=torch.float32)
+    out["fp16_ok"] = ok.state_dict()["cpdpkit"]["anchor"][0].dtype
+    return out
+
+
+@pytest.mark.slow
+def test_errors_that_need_a_process_group():
+    results = run_ranks(_foreign_and_fp16, 2)
+    r = results[0]
+    assert r["foreign"] == ("parameter 0 of param group 0 (shape (2, 2)) is not a parameter of "
+                            "model: build the optimizer from model.parameters()")
+    assert r["fp16"] == ("parameters are torch.float16: SlowMo's anchor and slow momentum lose "
+                         "updates in low precision; pass anchor_dtype=torch.float32")
+    assert r["fp16_ok"] == torch.float32
+    results = run_ranks(sc.bad_input, 2)
+    assert results[0]["group"] == "no error"
+    assert results[1]["group"] == (
+        "DistributedSetupError: this rank (1) is not a member of the group passed to "
+        "PeriodicSyncOptimizer: pass a group created with this rank in its ranks")
+    for res in results:
+        assert res["mismatch"] == (
+            "DistributedSetupError: ranks disagree on period (rank 0: 2, rank 1: 4): construct "
+            "PeriodicSyncOptimizer with the same model and arguments on every rank")

@@ -1,0 +1,177 @@
+"""PeriodicSyncOptimizer on real gloo ranks against an independent reference and torch's peers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import sync_scenarios as sc
+from dist_utils import run_ranks
+from sync_reference import Workload, simulate
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+TOL = 1e-6
+
+CORE = [
+    Workload(strategy=s, optimizer=o, warmup_steps=w, period=3, steps=3 * 3 + w)
+    for s in ("ddp", "localsgd", "slowmo", "cpdp")
+    for o in ("sgd", "adamw")
+    for w in (0, 2)
+]
+POLICIES = [
+    Workload(strategy="cpdp", batchnorm=True, buffers="average", steps=9),
+    Workload(strategy="slowmo", batchnorm=True, buffers="broadcast", steps=9),
+    Workload(strategy="localsgd", batchnorm=True, buffers="local", steps=9),
+    Workload(strategy="localsgd", optimizer="adamw", optimizer_state="average", steps=9),
+    Workload(strategy="cpdp", optimizer="sgd", optimizer_state="average", steps=9),
+    Workload(strategy="slowmo", optimizer="adamw", optimizer_state="reset", steps=9),
+    Workload(strategy="cpdp", beta=0.8, alpha=0.7, period=2, steps=8),
+]
+
+
+def _max_err(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    assert len(a) == len(b)
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def _check_against_reference(workloads: list[Workload], results: list, world: int) -> None:
+    for i, w in enumerate(workloads):
+        ref = simulate(w, world)
+        for rank in range(world):
+            err = _max_err(results[rank][i]["params"], ref[rank])
+            assert err <= TOL, f"{w} rank {rank}: max |param - reference| = {err:.3g}"
+
+
+def _check_identical_after_reconciliation(workloads: list[Workload], results: list) -> None:
+    for i, w in enumerate(workloads):
+        snaps0 = results[0][i]["snapshots"]
+        if w.strategy != "ddp":
+            expected = (w.steps - w.warmup_steps) // w.period
+            assert len(snaps0) == expected, (w, len(snaps0))
+        for other in results[1:]:
+            for (n, mine), (n2, theirs) in zip(snaps0, other[i]["snapshots"]):
+                assert n == n2
+                assert all(torch.equal(a, b) for a, b in zip(mine, theirs)), (w, n)
+
+
+@pytest.fixture(scope="module")
+def two_rank_results():
+    specs = [dataclasses.asdict(w) for w in CORE + POLICIES]
+    return run_ranks(sc.run_workloads, 2, workloads=specs)
+
+
+def test_every_strategy_matches_reference_2_ranks(two_rank_results):
+    _check_against_reference(CORE, two_rank_results, 2)
+
+
+def test_buffer_and_state_policies_match_reference(two_rank_results):
+    n = len(CORE)
+    _check_against_reference(POLICIES, [r[n:] for r in two_rank_results], 2)
+    for i, w in enumerate(POLICIES):
+        if w.batchnorm:
+            ref_model_buffers = two_rank_results[0][n + i]["buffers"]
+            other = two_rank_results[1][n + i]["buffers"]
+            same = all(torch.equal(a, b) for a, b in zip(ref_model_buffers, other))
+            assert same == (w.buffers != "local"), w
+
+
+def test_ranks_identical_right_after_every_reconciliation(two_rank_results):
+    _check_identical_after_reconciliation(CORE + POLICIES, two_rank_results)
+
+
+def test_stats_count_steps_and_reconciliations(two_rank_results):
+    for i, w in enumerate(CORE):
+        stats = two_rank_results[0][i]["stats"]
+        assert stats["steps"] == w.steps
+        if w.strategy == "ddp":
+            assert stats["gradient_syncs"] == w.steps and stats["reconciliations"] == 0
+        else:
+            assert stats["reconciliations"] == (w.steps - w.warmup_steps) // w.period
+            assert stats["local_steps"] == w.steps - w.warmup_steps - stats["reconciliations"]
+        assert stats["bytes_sent"] > 0 and stats["blocked_s"] > 0
+
+
+def test_four_ranks_and_hierarchical_groups():
+    flat = [Workload(strategy=s, optimizer="sgd", warmup_steps=1, steps=10) for s in
+            ("localsgd", "slowmo", "cpdp")]
+    specs = [dataclasses.asdict(w) for w in flat]
+    results = run_ranks(sc.run_workloads, 4, workloads=specs)
+    _check_against_reference(flat, results, 4)
+    _check_identical_after_reconciliation(flat, results)
+    # hierarchical: 2 nodes x 2 ranks; gradients averaged in the node every step
+    hier = run_ranks(sc.run_workloads, 4, workloads=specs, hierarchical=True)
+    for i, w in enumerate(flat):
+        assert all(torch.equal(a, b) for a, b in zip(hier[0][i]["params"], hier[1][i]["params"]))
+        assert all(torch.equal(a, b) for a, b in zip(hier[2][i]["params"], hier[3][i]["params"]))
+        ref = _simulate_hierarchical(w)
+        for rank in range(4):
+            assert _max_err(hier[rank][i]["params"], ref[rank // 2]) <= TOL, (w, rank)
+
+
+def _simulate_hierarchical(w: Workload) -> list[list[torch.Tensor]]:
+    """Two nodes of two ranks = two workers whose gradient is the mean of their ranks'."""
+    import sync_reference as ref
+
+    original = ref.batch
+
+    def node_batch(node: int, step: int, size: int = 16):
+        xs, ys = zip(*(original(2 * node + i, step, size) for i in range(2)))
+        return torch.cat(xs), torch.cat(ys)
+
+    ref.batch = node_batch  # MSE over the concatenation = mean of the two ranks' MSE
+    try:
+        return simulate(w, 2)
+    finally:
+        ref.batch = original
+
+
+def test_matches_torch_ddp_and_post_local_sgd():
+    for optimizer in ("sgd", "adamw"):
+        results = run_ranks(sc.against_torch_peers, 2, optimizer=optimizer, period=3)
+        for rank, res in enumerate(results):
+            ours, peer = res["ddp"]
+            assert _max_err(ours, peer) <= TOL, f"ddp vs torch DDP ({optimizer}, rank {rank})"
+            ours, peer = res["localsgd"]
+            err = _max_err(ours, peer)
+            assert err <= TOL, f"localsgd vs PostLocalSGD ({optimizer}, rank {rank}): {err}"
+
+
+def test_ddp_wrapped_module_equals_plain_module():
+    for strategy in ("cpdp", "localsgd"):
+        results = run_ranks(sc.ddp_wrapped_vs_plain, 2, strategy=strategy, period=3)
+        for res in results:
+            assert _max_err(res["plain"], res["ddp"]) <= TOL, strategy
+            assert res["stats_ddp"]["reconciliations"] == res["stats_plain"]["reconciliations"]
+
+
+def test_checkpoint_resume_is_bit_identical():
+    for strategy in ("cpdp", "slowmo"):
+        # stop in the middle of a period (after step 5 of periods ending at 4, 7, 10)
+        results = run_ranks(sc.checkpoint_resume, 2, strategy=strategy, stop_at=5, total=11)
+        for res in results:
+            assert res["step"] == 11
+            assert all(torch.equal(a, b) for a, b in zip(res["straight"], res["resumed"]))
+
+
+def test_param_groups_and_lr_scheduler():
+    results = run_ranks(sc.with_scheduler, 2, strategy="cpdp")
+    w = Workload(strategy="cpdp", optimizer="sgd2groups", period=2, steps=8)
+    ref = simulate(w, 2, schedulers=lambda o: torch.optim.lr_scheduler.StepLR(o, 3, 0.5))
+    for rank in range(2):
+        assert _max_err(results[rank], ref[rank]) <= TOL
+
+
+def test_collectives_are_coalesced_into_buckets():
+    res = run_ranks(sc.stats_and_buckets, 2)[0]
+    by_step = {n: (c, b) for n, c, b in res["counts"]}
+    param_bytes = res["param_bytes"]
+    # local steps communicate nothing
+    for n in (1, 2, 3, 5, 6, 7):
+        assert by_step[n] == (0, 0), (n, by_step[n])
+    # a reconciliation: gradients and parameters, each in ~1 MB buckets (8 x 257 KB layers)
+    collectives, nbytes = by_step[4]
+    assert nbytes == 2 * param_bytes
+    assert collectives <= 2 * (param_bytes // (1024 * 1024) + 2), collectives
