@@ -1,0 +1,59 @@
+"""``cpdpkit launch``: run a script on N ranks with torchrun, optionally emulating a network."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+from rich.markup import escape
+
+from cpdpkit.cli.app import app, err_console, out_console
+from cpdpkit.launch import LaunchConfig, launch
+
+__all__ = ["launch_command"]
+
+
+@app.command(
+    "launch",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "allow_interspersed_args": False},
+)
+def launch_command(
+    ctx: typer.Context,
+    script: str = typer.Argument(..., help="The Python script every rank runs; arguments after it go to it."),
+    nproc_per_node: int = typer.Option(1, "--nproc-per-node", "--nproc", help="Ranks on this node."),
+    topology: Optional[str] = typer.Option(None, "--topology", "-t", help="Emulate this topology: lan, wan, cluster or a .toml file."),
+    profile: Optional[str] = typer.Option(None, "--profile", help="Write each rank's torch.profiler trace and run.json here."),
+    py_spy: Optional[str] = typer.Option(None, "--py-spy", help="Record each rank with py-spy (speedscope) here."),
+    nnodes: str = typer.Option("1", "--nnodes", help="Nodes (N or MIN:MAX), passed to torchrun."),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", help="Passed to torchrun."),
+    rdzv_backend: Optional[str] = typer.Option(None, "--rdzv-backend", help="Passed to torchrun."),
+    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="Passed to torchrun."),
+    rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id", help="Passed to torchrun."),
+    master_addr: Optional[str] = typer.Option(None, "--master-addr", help="Passed to torchrun."),
+    master_port: Optional[int] = typer.Option(None, "--master-port", help="Passed to torchrun (default: a free port)."),
+    log_dir: Optional[str] = typer.Option(None, "--log-dir", help="Rank logs (default: a temporary folder)."),
+) -> None:
+    """Launch SCRIPT [ARGS...] on --nproc-per-node ranks (torchrun), with an emulated network if asked.
+
+    Example: cpdpkit launch --nproc-per-node 2 --topology wan --profile runs/ddp train.py --steps 20
+    """
+    config = LaunchConfig(
+        nproc_per_node=nproc_per_node, topology=topology, profile_dir=profile, py_spy_dir=py_spy,
+        nnodes=nnodes, node_rank=node_rank, rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint,
+        rdzv_id=rdzv_id, master_addr=master_addr, master_port=master_port, log_dir=log_dir,
+    )
+    result = launch(config, script, list(ctx.args))
+    if result.ok:
+        extras = []
+        if result.trace_files:
+            extras.append(f"{len(result.trace_files)} trace file(s) in {profile}")
+        if result.py_spy_files:
+            extras.append(f"{len(result.py_spy_files)} py-spy profile(s) in {py_spy}")
+        suffix = f"; {'; '.join(extras)}" if extras else ""
+        out_console.print(f"[green]launch finished[/green] in {result.duration_s:.1f} s{escape(suffix)}", soft_wrap=True)
+        return
+    err_console.print(f"[bold red]error:[/bold red] {escape(result.error or 'a rank failed')}", soft_wrap=True)
+    for line in result.traceback_tail:
+        err_console.print(f"  {escape(line)}", soft_wrap=True, highlight=False)
+    err_console.print(f"  (rank logs: {escape(result.log_dir)})", soft_wrap=True, highlight=False)
+    raise typer.Exit(1)

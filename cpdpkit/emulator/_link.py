@@ -1,0 +1,213 @@
+"""One emulated link per process group: a timeline of modeled collectives and their Works.
+
+Each collective issued on an emulated group starts its real data movement at once (on the
+wrapped gloo/nccl group) and is booked on the group's :class:`Link`: it occupies the link from
+``max(issue time, end of the previous booking)`` for its modeled duration, so collectives on one
+group run one after another as on one wire. A helper thread per link completes each
+:class:`EmulatedWork` when both the real op and the modeled time are done; the caller keeps
+computing meanwhile and ``wait()`` blocks only for what is left.
+
+Each booking also becomes the profiler event ``cpdpkit::emu::<op>[...]`` (docs/CONTRACTS.md).
+torch.profiler records a Python thread it did not start only when it runs with
+``experimental_config=_ExperimentalConfig(profile_all_threads=True)`` (its callbacks are then
+process-global). Then the helper thread emits the event over exactly the modeled link time, on
+its own thread ``cpdpkit-emu-<group>``. With a default, thread-local profiler the event is
+entered on the issuing thread at issue time and ended by the helper thread at the modeled
+completion (RecordFunction may end on another thread); it then starts at the issue time, which
+for queued collectives is before their link time starts.
+"""
+
+from __future__ import annotations
+
+import atexit
+import queue
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Link", "Booking", "EmulatedWork"]
+
+# How long past the process group's timeout a caller waits before declaring the emulator stuck
+# (the wrapped backend normally raises its own timeout error first).
+_WAIT_SLACK_S = 5.0
+
+
+class EmulatedWork(dist.Work):
+    """A Work that completes when the real op and the modeled link time have both finished."""
+
+    def __init__(self, booking: Booking) -> None:
+        super().__init__()
+        self._booking = booking
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Block until the modeled time has passed and the real op is done (or time out)."""
+        b = self._booking
+        limit_s = b.timeout_s + max(0.0, b.end_s - time.monotonic()) + _WAIT_SLACK_S
+        if timeout is not None and timeout.total_seconds() > 0:
+            limit_s = timeout.total_seconds()
+        if b.end_s - time.monotonic() < limit_s:
+            # Finish on this thread when the helper has not yet: a synchronous collective then
+            # ends within sleep precision of its modeled time, not after a thread wake-up.
+            _sleep_until(b.end_s)
+            b.finish_here()
+        if not b.done.wait(limit_s):
+            raise RuntimeError(
+                f"emulated {b.label} did not complete within {limit_s:.1f} s "
+                "(a peer rank is missing or slow; raise the process group timeout if that is expected)"
+            )
+        if b.error is not None:
+            raise b.error
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._booking.future
+
+    def is_completed(self) -> bool:
+        return self._booking.done.is_set()
+
+    def is_success(self) -> bool:
+        return self._booking.done.is_set() and self._booking.error is None
+
+    def exception(self) -> BaseException | None:
+        return self._booking.error
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self._booking.outputs
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def source_rank(self) -> int:
+        return self._booking.inner.source_rank()
+
+
+@dataclass(eq=False)
+class Booking:
+    """One collective's slot on a link (monotonic seconds) and its completion state."""
+
+    label: str
+    inner: Any  # the wrapped backend's Work
+    outputs: list[torch.Tensor]
+    start_s: float
+    end_s: float
+    timeout_s: float
+    done: threading.Event = field(default_factory=threading.Event)
+    future: torch.futures.Future = field(default_factory=torch.futures.Future)
+    error: BaseException | None = None
+    profiling: bool = False  # a profiler was running when the collective was issued
+    issuer_handle: Any = None  # RecordFunction entered on the issuing thread (thread-local mode)
+    _claim: threading.Lock = field(default_factory=threading.Lock)
+
+    def finish_here(self) -> None:
+        """Wait for the real op and complete this booking, unless another thread already does.
+
+        Exactly one thread may wait on the real Work: gloo's send/recv Works count completions,
+        so a second ``wait()`` on the same Work blocks forever.
+        """
+        if not self._claim.acquire(blocking=False):
+            return
+        try:
+            self.inner.wait(timedelta(seconds=self.timeout_s))
+        except BaseException as exc:  # noqa: BLE001 - handed to every waiter
+            self.error = exc
+            self.done.set()
+            self.future.set_exception(exc)
+            return
+        self.done.set()
+        self.future.set_result(self.outputs)
+
+
+_ALL_LINKS: weakref.WeakSet[Link] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all_links() -> None:
+    """For scripts that exit without destroy_process_group(): stop helper threads in time."""
+    for link in list(_ALL_LINKS):
+        link.close(timeout_s=5.0)
+
+
+class Link:
+    """The serialized timeline of one emulated process group and its helper thread."""
+
+    def __init__(self, name: str) -> None:
+        _ALL_LINKS.add(self)
+        self.name = name
+        self._lock = threading.Lock()
+        self._free_at_s = 0.0
+        self._queue: queue.SimpleQueue[Booking] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def book(self, *, label: str, modeled_s: float, inner: Any, outputs: list[torch.Tensor], timeout_s: float) -> EmulatedWork:
+        """Reserve the link for ``modeled_s`` from now (or from its end of use) and return the Work."""
+        with self._lock:
+            start_s = max(time.monotonic(), self._free_at_s)
+            end_s = start_s + modeled_s
+            self._free_at_s = end_s
+            booking = Booking(label=label, inner=inner, outputs=outputs, start_s=start_s, end_s=end_s, timeout_s=timeout_s)
+            _start_profiler_event(booking)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"cpdpkit-emu-{self.name}", daemon=True)
+                self._thread.start()
+            self._queue.put(booking)
+        return EmulatedWork(booking)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the helper thread after the bookings already queued (process-group shutdown).
+
+        Joining it here, while the interpreter is fully alive, keeps torch objects from being
+        torn down on a frozen daemon thread at exit (seen as SIGABRT, "terminate called without
+        an active exception").
+        """
+        with self._lock:
+            thread, self._thread = self._thread, None
+            if thread is not None:
+                self._queue.put(None)  # type: ignore[arg-type]
+        if thread is not None:
+            thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            booking = self._queue.get()
+            if booking is None:
+                return
+            try:
+                _sleep_until(booking.start_s)
+                if booking.issuer_handle is not None:
+                    _sleep_until(booking.end_s)
+                    torch.ops.profiler._record_function_exit._RecordFunction(booking.issuer_handle)
+                elif booking.profiling:
+                    with torch.profiler.record_function(booking.label):
+                        _sleep_until(booking.end_s)
+                else:
+                    _sleep_until(booking.end_s)
+            finally:
+                booking.finish_here()
+            # Hold no Work, Future or tensor while idle: a daemon thread's frame that still
+            # references them at interpreter exit makes their C++ destructors run mid-teardown
+            # (seen as "terminate called without an active exception", SIGABRT).
+            del booking
+
+
+def _start_profiler_event(booking: Booking) -> None:
+    """Decide where the booking's profiler event lives (see the module docstring)."""
+    booking.profiling = bool(torch.autograd.profiler._is_profiler_enabled)
+    # True only for a thread-local profiler active on this (the issuing) thread; with
+    # profile_all_threads=True it reads False while the process-wide flag above reads True.
+    if booking.profiling and torch._C._autograd._profiler_enabled():
+        booking.issuer_handle = torch.ops.profiler._record_function_enter_new(booking.label, None)
+
+
+def _sleep_until(deadline_s: float) -> None:
+    while True:
+        left_s = deadline_s - time.monotonic()
+        if left_s <= 0:
+            return
+        time.sleep(left_s)

@@ -1,0 +1,103 @@
+"""``cpdpkit.init_distributed``: one call that starts the process group a launched rank needs.
+
+It picks the backend for the device (nccl with CUDA, else gloo) and, when a topology is given
+or named by ``CPDPKIT_TOPOLOGY``, the emulated ``emu`` backend that wraps it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cpdpkit.emulator.backend import BACKEND_NAME, EmulatorConfig, register_emulated_backend
+from cpdpkit.emulator.env import TOPOLOGY_ENV, topology_from_env
+from cpdpkit.errors import DistributedSetupError
+from cpdpkit.topology import Topology, resolve_topology
+
+__all__ = ["DistributedInfo", "init_distributed"]
+
+DEFAULT_TIMEOUT = timedelta(minutes=5)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistributedInfo:
+    """What :func:`init_distributed` set up."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: str
+    backend: str
+    topology: Topology | None
+
+    @property
+    def emulated(self) -> bool:
+        return self.topology is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["topology"] = self.topology.to_dict() if self.topology is not None else None
+        return out
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise DistributedSetupError(f"{name} = {value!r} is not an integer; launch with torchrun or cpdpkit launch") from None
+
+
+def init_distributed(
+    *,
+    backend: str | None = None,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+    topology: Topology | str | None = None,
+    jitter_seed: int = 0,
+    init_method: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> DistributedInfo:
+    """Start the default process group; emulate ``topology`` (or ``$CPDPKIT_TOPOLOGY``) if set.
+
+    ``backend=None`` chooses ``emu`` when a topology is known, else nccl (CUDA) or gloo.
+    ``backend="gloo"``/``"nccl"`` never emulates. ``rank``/``world_size``/``init_method`` default
+    to torchrun's environment (``env://``). Calling it again returns the existing setup.
+    """
+    world_size = world_size if world_size is not None else _env_int("WORLD_SIZE", 1)
+    rank = rank if rank is not None else _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", rank)
+    if isinstance(topology, str):
+        topology = resolve_topology(topology, world_size=world_size)
+    elif topology is None and backend in (None, BACKEND_NAME):
+        topology = topology_from_env(world_size=world_size)
+    elif topology is not None:
+        topology = topology.place(world_size)
+    if backend == BACKEND_NAME and topology is None:
+        raise DistributedSetupError(
+            f"backend 'emu' needs a topology; set {TOPOLOGY_ENV}=wan (or a TOML path) or pass topology="
+        )
+    real = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    if backend not in (None, BACKEND_NAME, "gloo", "nccl"):
+        raise DistributedSetupError(f"backend = {backend!r} is not supported; use None, 'emu', 'gloo' or 'nccl'")
+    chosen = BACKEND_NAME if topology is not None and backend in (None, BACKEND_NAME) else (backend or real)
+    device = "cpu"
+    if real == "nccl" and chosen != "gloo":
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        device = f"cuda:{torch.cuda.current_device()}"
+    if chosen != BACKEND_NAME:
+        topology = None
+    if not dist.is_initialized():
+        if chosen == BACKEND_NAME:
+            register_emulated_backend(EmulatorConfig(topology=topology, jitter_seed=jitter_seed))  # type: ignore[arg-type]
+        dist.init_process_group(backend=chosen, init_method=init_method or "env://", rank=rank,
+                                world_size=world_size, timeout=timeout)
+    return DistributedInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
+                           device=device, backend=chosen, topology=topology)

@@ -1,0 +1,563 @@
+"""The network model every part of cpdpkit shares: tiers, rank placement and α-β costs.
+
+A :class:`Topology` names a few link *tiers* (``NVLINK``, ``IB``, ``WAN``, ...; each a
+``latency_s`` and a ``bandwidth_bytes_per_s``) and places ranks on nodes and sites:
+``ranks_per_node`` consecutive ranks share a node, ``nodes_per_site`` consecutive nodes share a
+site, and there are ``num_sites`` sites. Three *levels* say which tier joins two ranks: the same
+node (``intra_node_tier``), the same site (``inter_node_tier``) or different sites
+(``inter_site_tier``). A group's tier is its slowest link (:meth:`Topology.tier_of`).
+
+The cost functions are the textbook α-β model (α = latency_s, β = 1 / bandwidth_bytes_per_s,
+``p`` ranks, ``n`` bytes, a flat algorithm over the group's slowest tier):
+
+===============  =========================================================================
+op               modeled time
+===============  =========================================================================
+all_reduce       min(ring: 2(p-1)α + 2(p-1)/p·nβ,  tree: 2⌈log2 p⌉(α + nβ))
+all_gather       (p-1)α + (p-1)/p·nβ     (n = bytes of the gathered output)
+reduce_scatter   (p-1)α + (p-1)/p·nβ     (n = bytes of the unreduced input)
+broadcast        min(binomial tree: ⌈log2 p⌉(α + nβ),
+                     scatter+all_gather: (⌈log2 p⌉ + p-1)α + 2(p-1)/p·nβ)
+all_to_all       (p-1)α + (p-1)/p·nβ     (n = bytes each rank sends, its own chunk included)
+send_recv        α + nβ
+barrier          ⌈log2 p⌉α               (dissemination barrier)
+===============  =========================================================================
+
+A single rank costs nothing. The planner and the emulator both call
+:meth:`Topology.collective_time_s`; nothing here needs torch or a process group, so a plan for
+1,024 ranks runs anywhere.
+
+A topology comes from a preset name (:func:`preset`, see :data:`PRESETS`) or a TOML file
+(:func:`load_topology`). At most one placement count may be left open (``None``; in TOML
+``"auto"``, and an omitted ``ranks_per_node``); :meth:`Topology.place` fills it with the world
+size divided by the other two counts (the *placement rule*). Presets: ``lan`` and ``wan`` leave
+``ranks_per_node`` open; ``cluster`` picks ``ranks_per_node`` from the world size (8, 4 or 2,
+whichever leaves at least two nodes; else one node of up to 8 ranks) and leaves the node count open.
+
+TOML format (what :meth:`Topology.to_toml` writes)::
+
+    name = "two-sites"
+    [placement]            # omitted ranks_per_node = "auto"; omitted other counts = 1
+    ranks_per_node = "auto"
+    nodes_per_site = 2
+    num_sites = 2
+    [levels]               # the tier joining two ranks on one node / one site / two sites
+    intra_node = "NVLINK"
+    inter_node = "IB"
+    inter_site = "WAN"
+    [tiers.WAN]            # one table per tier
+    latency_s = 8.3e-3
+    bandwidth_bytes_per_s = 125e6
+    jitter_frac = 0.05     # optional, emulator only
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from cpdpkit.errors import TopologyError
+
+__all__ = [
+    "Tier",
+    "Topology",
+    "CollectiveCost",
+    "COLLECTIVE_OPS",
+    "PRESETS",
+    "preset",
+    "load_topology",
+    "parse_topology_toml",
+    "resolve_topology",
+    "format_ranks",
+    "alpha_beta_time_s",
+]
+
+COLLECTIVE_OPS = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast",
+    "barrier",
+    "all_to_all",
+    "send_recv",
+)
+
+_PLACEMENT_FIELDS = ("ranks_per_node", "nodes_per_site", "num_sites")
+_LEVEL_FIELDS = ("intra_node_tier", "inter_node_tier", "inter_site_tier")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tier:
+    """One class of link: a one-way ``latency_s`` and a per-link ``bandwidth_bytes_per_s``.
+
+    ``jitter_frac`` (0 ≤ j < 1) lets the emulator stretch or shrink each modeled time by a
+    seeded uniform factor in [1 - j, 1 + j]; the cost model itself ignores it.
+    """
+
+    name: str
+    latency_s: float
+    bandwidth_bytes_per_s: float
+    jitter_frac: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name or not self.name.isidentifier():
+            raise TopologyError(
+                f"tier name {self.name!r} is invalid; use a short identifier such as 'IB' or 'WAN'"
+            )
+        _check_number(f"tiers.{self.name}.latency_s", self.latency_s, minimum=0.0)
+        _check_number(
+            f"tiers.{self.name}.bandwidth_bytes_per_s", self.bandwidth_bytes_per_s, positive=True
+        )
+        _check_number(f"tiers.{self.name}.jitter_frac", self.jitter_frac, minimum=0.0)
+        if self.jitter_frac >= 1.0:
+            raise TopologyError(
+                f"tiers.{self.name}.jitter_frac = {self.jitter_frac!r} must be below 1 "
+                "(a fraction such as 0.05 for ±5 %)"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveCost:
+    """The modeled cost of one collective (what :meth:`Topology.collective_cost` returns)."""
+
+    op: str
+    num_bytes: int
+    num_ranks: int
+    tier: str | None
+    algorithm: str
+    time_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _check_number(path: str, value: Any, *, minimum: float | None = None, positive: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and positive:
+        ok = value > 0
+    if ok and minimum is not None:
+        ok = value >= minimum
+    if not ok:
+        need = "a finite number > 0" if positive else f"a finite number >= {minimum:g}"
+        raise TopologyError(f"{path} = {value!r} is invalid; set it to {need}")
+
+
+def _check_count(path: str, value: Any, *, allow_none: bool) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        hint = ' (or "auto" in a TOML [placement])' if allow_none else ""
+        raise TopologyError(f"{path} = {value!r} is invalid; set it to a whole number >= 1{hint}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Topology:
+    """A frozen network description: tiers, the tier of each level, and the rank placement.
+
+    Placement counts left as ``None`` (at most one) are filled by :meth:`place`. Methods that
+    need rank positions raise :class:`~cpdpkit.errors.TopologyError` until the topology is placed.
+    """
+
+    name: str
+    tiers: tuple[Tier, ...]
+    intra_node_tier: str
+    inter_node_tier: str | None = None
+    inter_site_tier: str | None = None
+    ranks_per_node: int | None = None
+    nodes_per_site: int | None = 1
+    num_sites: int | None = 1
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise TopologyError(f"name = {self.name!r} is invalid; give the topology a non-empty name")
+        object.__setattr__(self, "tiers", tuple(self.tiers))
+        if not self.tiers or not all(isinstance(t, Tier) for t in self.tiers):
+            raise TopologyError(
+                f"topology {self.name!r}: tiers = {self.tiers!r} is invalid; give at least one [tiers.NAME] table"
+            )
+        names = [t.name for t in self.tiers]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise TopologyError(f"topology {self.name!r}: tier {dupes[0]!r} is defined twice; keep one")
+        for path in _PLACEMENT_FIELDS:
+            _check_count(path, getattr(self, path), allow_none=True)
+        open_counts = [p for p in _PLACEMENT_FIELDS if getattr(self, p) is None]
+        if len(open_counts) > 1:
+            raise TopologyError(
+                f"topology {self.name!r}: {' and '.join(open_counts)} are both unset; "
+                "leave at most one placement count unset (it is derived from the world size)"
+            )
+        self._check_levels(names)
+
+    def _check_levels(self, names: list[str]) -> None:
+        for path in _LEVEL_FIELDS:
+            value = getattr(self, path)
+            if value is not None and value not in names:
+                raise TopologyError(
+                    f"topology {self.name!r}: {path} = {value!r} is not a defined tier; "
+                    f"use one of {', '.join(names)} or add [tiers.{value}]"
+                )
+        if self.intra_node_tier is None:
+            raise TopologyError(
+                f"topology {self.name!r}: intra_node_tier is unset; name the tier that joins ranks of one node"
+            )
+        if self.inter_node_tier is None and self.nodes_per_site != 1:
+            raise TopologyError(
+                f"topology {self.name!r}: inter_node_tier is unset but nodes_per_site = "
+                f"{self.nodes_per_site!r}; name the tier between nodes or set nodes_per_site = 1"
+            )
+        if self.inter_site_tier is None and self.num_sites != 1:
+            raise TopologyError(
+                f"topology {self.name!r}: inter_site_tier is unset but num_sites = "
+                f"{self.num_sites!r}; name the tier between sites or set num_sites = 1"
+            )
+
+    # ---- placement -------------------------------------------------------------------------
+    @property
+    def is_placed(self) -> bool:
+        return all(getattr(self, p) is not None for p in _PLACEMENT_FIELDS)
+
+    @property
+    def world_size(self) -> int | None:
+        """ranks_per_node × nodes_per_site × num_sites, or ``None`` before :meth:`place`."""
+        if not self.is_placed:
+            return None
+        return self.ranks_per_node * self.nodes_per_site * self.num_sites  # type: ignore[operator]
+
+    def place(self, world_size: int) -> Topology:
+        """This topology placed on ``world_size`` ranks (the placement rule).
+
+        A placed topology must match ``world_size`` exactly. Otherwise the one unset count
+        becomes ``world_size`` divided by the product of the other two, which must divide it.
+        """
+        _check_count("world_size", world_size, allow_none=False)
+        if self.is_placed:
+            if self.world_size != world_size:
+                raise TopologyError(
+                    f"topology {self.name!r} places {self.world_size} ranks ({self._shape()}) but "
+                    f"the world size is {world_size}; change its placement or run {self.world_size} ranks"
+                )
+            return self
+        (open_field,) = [p for p in _PLACEMENT_FIELDS if getattr(self, p) is None]
+        fixed = math.prod(getattr(self, p) for p in _PLACEMENT_FIELDS if p != open_field)
+        if world_size % fixed:
+            raise TopologyError(
+                f"topology {self.name!r} needs a world size divisible by {fixed} ({self._shape()}); "
+                f"got {world_size}; run a multiple of {fixed} ranks or use a TOML file"
+            )
+        return replace(self, **{open_field: world_size // fixed})
+
+    def _shape(self) -> str:
+        def show(v: int | None) -> str:
+            return "?" if v is None else str(v)
+
+        return (
+            f"{show(self.num_sites)} site(s) x {show(self.nodes_per_site)} node(s) x "
+            f"{show(self.ranks_per_node)} rank(s)"
+        )
+
+    def _require_placed(self) -> tuple[int, int, int]:
+        if not self.is_placed:
+            raise TopologyError(
+                f"topology {self.name!r} is not placed yet ({self._shape()}); "
+                "call place(world_size) or pass --world-size"
+            )
+        return self.ranks_per_node, self.nodes_per_site, self.num_sites  # type: ignore[return-value]
+
+    def _check_rank(self, rank: int) -> None:
+        world = self.world_size
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world:  # type: ignore[operator]
+            raise TopologyError(
+                f"rank {rank!r} is outside topology {self.name!r} (world size {world}); use 0..{world - 1}"  # type: ignore[operator]
+            )
+
+    def node_of(self, rank: int) -> int:
+        rpn, _, _ = self._require_placed()
+        self._check_rank(rank)
+        return rank // rpn
+
+    def site_of(self, rank: int) -> int:
+        rpn, nps, _ = self._require_placed()
+        self._check_rank(rank)
+        return rank // (rpn * nps)
+
+    # ---- tiers -----------------------------------------------------------------------------
+    def tier(self, name: str) -> Tier:
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        raise TopologyError(f"topology {self.name!r} has no tier {name!r}; use one of {self.tier_names}")
+
+    @property
+    def tier_names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.tiers)
+
+    def tier_between(self, a: int, b: int) -> Tier | None:
+        """The tier of the link between ranks ``a`` and ``b`` (``None`` when a == b)."""
+        if a == b:
+            self._check_rank(a) if self.is_placed else self._require_placed()
+            return None
+        if self.site_of(a) != self.site_of(b):
+            return self.tier(self.inter_site_tier)  # type: ignore[arg-type]
+        if self.node_of(a) != self.node_of(b):
+            return self.tier(self.inter_node_tier)  # type: ignore[arg-type]
+        return self.tier(self.intra_node_tier)
+
+    def tier_of(self, ranks: Iterable[int]) -> Tier | None:
+        """The slowest tier among the links of ``ranks`` (``None`` for a single rank).
+
+        Slowest means the lowest bandwidth, then the highest latency.
+        """
+        members = sorted(set(ranks))
+        if len(members) < 2:
+            for r in members:
+                self._check_rank(r) if self.is_placed else self._require_placed()
+            return None
+        nodes = {self.node_of(r) for r in members}
+        sites = {self.site_of(r) for r in members}
+        crossed: list[Tier] = []
+        if len(sites) > 1:
+            crossed.append(self.tier(self.inter_site_tier))  # type: ignore[arg-type]
+        if len(nodes) > len(sites):
+            crossed.append(self.tier(self.inter_node_tier))  # type: ignore[arg-type]
+        if len(members) > len(nodes):
+            crossed.append(self.tier(self.intra_node_tier))
+        return min(crossed, key=lambda t: (t.bandwidth_bytes_per_s, -t.latency_s))
+
+    # ---- costs -----------------------------------------------------------------------------
+    def collective_cost(self, op: str, num_bytes: int, ranks: Iterable[int]) -> CollectiveCost:
+        """The modeled cost of ``op`` moving ``num_bytes`` among ``ranks`` (see the module table)."""
+        if op not in COLLECTIVE_OPS:
+            raise TopologyError(f"op = {op!r} is not a modeled collective; use one of {', '.join(COLLECTIVE_OPS)}")
+        if not isinstance(num_bytes, int) or isinstance(num_bytes, bool) or num_bytes < 0:
+            raise TopologyError(f"num_bytes = {num_bytes!r} is invalid; pass a whole number of bytes >= 0")
+        members = sorted(set(ranks))
+        p = len(members)
+        tier = self.tier_of(members)
+        if tier is None:
+            return CollectiveCost(op=op, num_bytes=num_bytes, num_ranks=p, tier=None, algorithm="local", time_s=0.0)
+        algorithm, time_s = alpha_beta_time_s(op, num_bytes, p, tier.latency_s, tier.bandwidth_bytes_per_s)
+        return CollectiveCost(op=op, num_bytes=num_bytes, num_ranks=p, tier=tier.name, algorithm=algorithm, time_s=time_s)
+
+    def collective_time_s(self, op: str, num_bytes: int, ranks: Iterable[int]) -> float:
+        """Modeled seconds of ``op`` moving ``num_bytes`` among ``ranks``."""
+        return self.collective_cost(op, num_bytes, ranks).time_s
+
+    def all_reduce_algorithm(self, num_bytes: int, ranks: Iterable[int]) -> str:
+        """``"ring"`` or ``"tree"``: the cheaper all-reduce the model picks (``"local"`` for one rank)."""
+        return self.collective_cost("all_reduce", num_bytes, ranks).algorithm
+
+    # ---- serialisation ---------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "description": self.description}
+        out["tiers"] = [t.to_dict() for t in self.tiers]
+        for f in (*_LEVEL_FIELDS, *_PLACEMENT_FIELDS):
+            out[f] = getattr(self, f)
+        out["world_size"] = self.world_size
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Topology:
+        kwargs = {k: v for k, v in data.items() if k != "world_size"}
+        kwargs["tiers"] = tuple(Tier(**t) for t in data.get("tiers", ()))
+        try:
+            return cls(**kwargs)
+        except TypeError as exc:
+            raise TopologyError(f"topology dict is invalid ({exc}); use Topology.to_dict()'s keys") from None
+
+    def to_toml(self) -> str:
+        """This topology as TOML that :func:`parse_topology_toml` reads back unchanged."""
+        lines = [f"name = {_toml_str(self.name)}"]
+        if self.description:
+            lines.append(f"description = {_toml_str(self.description)}")
+        lines += ["", "[placement]"]
+        lines += [f"{p} = {_AUTO_TOML if getattr(self, p) is None else getattr(self, p)}" for p in _PLACEMENT_FIELDS]
+        lines += ["", "[levels]"]
+        lines += [
+            f"{f.removesuffix('_tier')} = {_toml_str(getattr(self, f))}"
+            for f in _LEVEL_FIELDS
+            if getattr(self, f) is not None
+        ]
+        for t in self.tiers:
+            lines += ["", f"[tiers.{t.name}]", f"latency_s = {t.latency_s!r}"]
+            lines.append(f"bandwidth_bytes_per_s = {t.bandwidth_bytes_per_s!r}")
+            if t.jitter_frac:
+                lines.append(f"jitter_frac = {t.jitter_frac!r}")
+        return "\n".join(lines) + "\n"
+
+
+def _toml_str(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def alpha_beta_time_s(op: str, num_bytes: int, p: int, latency_s: float, bandwidth_bytes_per_s: float) -> tuple[str, float]:
+    """(algorithm, seconds) of ``op`` over ``p`` ranks on one tier; the formulas of the module table."""
+    a, nb = latency_s, num_bytes / bandwidth_bytes_per_s
+    if p < 2:
+        return "local", 0.0
+    log_p = math.ceil(math.log2(p))
+    frac = (p - 1) / p
+    if op == "all_reduce":
+        ring = 2 * (p - 1) * a + 2 * frac * nb
+        tree = 2 * log_p * (a + nb)
+        return ("ring", ring) if ring <= tree else ("tree", tree)
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return "ring" if op != "all_to_all" else "pairwise", (p - 1) * a + frac * nb
+    if op == "broadcast":
+        tree = log_p * (a + nb)
+        scatter_ag = (log_p + p - 1) * a + 2 * frac * nb
+        return ("tree", tree) if tree <= scatter_ag else ("scatter_allgather", scatter_ag)
+    if op == "send_recv":
+        return "p2p", a + nb
+    if op == "barrier":
+        return "dissemination", log_p * a
+    raise TopologyError(f"op = {op!r} is not a modeled collective; use one of {', '.join(COLLECTIVE_OPS)}")
+
+
+
+# ---- presets -----------------------------------------------------------------------------------
+_LAN = Tier(name="LAN", latency_s=50e-6, bandwidth_bytes_per_s=1.25e9)  # 10 GbE through one switch
+_WAN = Tier(name="WAN", latency_s=8.3e-3, bandwidth_bytes_per_s=125e6)  # 16.6 ms RTT, 1 Gbit/s
+_NVLINK = Tier(name="NVLINK", latency_s=3e-6, bandwidth_bytes_per_s=300e9)  # A100 NVLink3, one direction
+_IB = Tier(name="IB", latency_s=5e-6, bandwidth_bytes_per_s=25e9)  # one HDR 200 Gbit/s NIC
+
+PRESETS: dict[str, str] = {
+    "lan": "one node: every rank on one 10 GbE LAN (LAN: 50 us, 1.25 GB/s); any world size",
+    "wan": (
+        "two sites joined by a WAN of 16.6 ms RTT (8.3 ms one way) and 1 Gbit/s, like the CPDP "
+        "paper's Nancy-Sophia Grid'5000 link; each site one node of world_size/2 ranks on LAN; "
+        "even world sizes"
+    ),
+    "cluster": (
+        "GPU nodes with NVLINK inside (3 us, 300 GB/s) and InfiniBand HDR between (5 us, 25 GB/s); "
+        "ranks_per_node defaults to the largest of 8, 4, 2 that leaves >= 2 nodes, else one node "
+        "(<= 8 ranks)"
+    ),
+}
+
+
+def _cluster_ranks_per_node(world_size: int) -> int:
+    for rpn in (8, 4, 2):
+        if world_size % rpn == 0 and world_size // rpn >= 2:
+            return rpn
+    if world_size <= 8:
+        return world_size
+    raise TopologyError(
+        f"preset 'cluster' cannot choose ranks_per_node for world size {world_size}; "
+        "pass ranks_per_node (--ranks-per-node) or use a TOML file"
+    )
+
+
+def preset(name: str, *, world_size: int | None = None, ranks_per_node: int | None = None) -> Topology:
+    """The preset topology ``name`` (see :data:`PRESETS`), placed when ``world_size`` is given."""
+    if name == "lan":
+        topo = Topology(name="lan", tiers=(_LAN,), intra_node_tier="LAN", ranks_per_node=ranks_per_node,
+                        description=PRESETS["lan"])
+    elif name == "wan":
+        topo = Topology(name="wan", tiers=(_LAN, _WAN), intra_node_tier="LAN", inter_site_tier="WAN",
+                        ranks_per_node=ranks_per_node, nodes_per_site=1, num_sites=2, description=PRESETS["wan"])
+    elif name == "cluster":
+        if ranks_per_node is None and world_size is not None:
+            _check_count("world_size", world_size, allow_none=False)
+            ranks_per_node = _cluster_ranks_per_node(world_size)
+        topo = Topology(name="cluster", tiers=(_NVLINK, _IB), intra_node_tier="NVLINK", inter_node_tier="IB",
+                        ranks_per_node=ranks_per_node if ranks_per_node is not None else 8,
+                        nodes_per_site=None, num_sites=1, description=PRESETS["cluster"])
+    else:
+        raise TopologyError(
+            f"unknown topology preset {name!r}; use one of {', '.join(PRESETS)} or a path to a .toml file"
+        )
+    return topo if world_size is None else topo.place(world_size)
+
+
+# ---- TOML --------------------------------------------------------------------------------------
+_AUTO_TOML = '"auto"'  # a placement count derived from the world size by place()
+_TOP_KEYS = {"name", "description", "placement", "levels", "tiers"}
+_TIER_KEYS = {"latency_s", "bandwidth_bytes_per_s", "jitter_frac"}
+_LEVEL_KEYS = {"intra_node", "inter_node", "inter_site"}
+
+
+def _reject_unknown(where: str, keys: Iterable[str], allowed: set[str]) -> None:
+    for key in keys:
+        if key not in allowed:
+            raise TopologyError(f"{where}: unknown key {key!r}; use one of {', '.join(sorted(allowed))}")
+
+
+def _table(where: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise TopologyError(f"{where} must be a table ([{where}]), got {value!r}")
+    return value
+
+
+def parse_topology_toml(text: str, *, source: str = "<string>") -> Topology:
+    """A :class:`Topology` from TOML text (the format :meth:`Topology.to_toml` writes)."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise TopologyError(f"{source}: not valid TOML ({exc}); fix the syntax") from None
+    _reject_unknown(source, data, _TOP_KEYS)
+    placement = _table("placement", data.get("placement", {}))
+    _reject_unknown(f"{source} [placement]", placement, set(_PLACEMENT_FIELDS))
+    levels = _table("levels", data.get("levels", {}))
+    _reject_unknown(f"{source} [levels]", levels, _LEVEL_KEYS)
+    tiers = []
+    for tier_name, spec in _table("tiers", data.get("tiers", {})).items():
+        spec = _table(f"tiers.{tier_name}", spec)
+        _reject_unknown(f"{source} [tiers.{tier_name}]", spec, _TIER_KEYS)
+        for key in ("latency_s", "bandwidth_bytes_per_s"):
+            if key not in spec:
+                raise TopologyError(f"{source} [tiers.{tier_name}]: {key} is missing; add {key} = <number>")
+        tiers.append(Tier(name=tier_name, **spec))
+    counts = {p: (None if placement.get(p, 1) == "auto" else placement.get(p, 1)) for p in _PLACEMENT_FIELDS}
+    if "ranks_per_node" not in placement:
+        counts["ranks_per_node"] = None
+    return Topology(
+        name=data.get("name", Path(source).stem),
+        description=data.get("description", ""),
+        tiers=tuple(tiers),
+        intra_node_tier=levels.get("intra_node"),  # type: ignore[arg-type]
+        inter_node_tier=levels.get("inter_node"),
+        inter_site_tier=levels.get("inter_site"),
+        **counts,
+    )
+
+
+def load_topology(path: str | Path) -> Topology:
+    """A :class:`Topology` from a TOML file."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise TopologyError(f"topology file {str(p)!r} cannot be read ({exc.strerror}); check the path") from None
+    return parse_topology_toml(text, source=str(p))
+
+
+def resolve_topology(spec: str, *, world_size: int | None = None, ranks_per_node: int | None = None) -> Topology:
+    """A preset name or a TOML path (anything ending in .toml or naming a file), placed if asked."""
+    if spec.endswith(".toml") or ("/" in spec) or Path(spec).is_file() and spec not in PRESETS:
+        topo = load_topology(spec)
+        if ranks_per_node is not None:
+            topo = replace(topo, ranks_per_node=ranks_per_node)
+        return topo if world_size is None else topo.place(world_size)
+    return preset(spec, world_size=world_size, ranks_per_node=ranks_per_node)
+
+
+def format_ranks(ranks: Iterable[int]) -> str:
+    """Ranks as sorted comma-separated ranges: ``[0, 1, 2, 3, 8, 9]`` -> ``"0-3,8-9"``."""
+    members = sorted(set(ranks))
+    parts: list[str] = []
+    i = 0
+    while i < len(members):
+        j = i
+        while j + 1 < len(members) and members[j + 1] == members[j] + 1:
+            j += 1
+        parts.append(str(members[i]) if i == j else f"{members[i]}-{members[j]}")
+        i = j + 1
+    return ",".join(parts)

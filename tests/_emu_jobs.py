@@ -1,0 +1,282 @@
+"""Multi-process jobs for tests/test_emulator*.py (spawned once, checked by several tests).
+
+Each job runs on every rank, with the default process group on the emulated backend and a
+plain gloo group beside it for references and fast barriers, and writes ``rank<R>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch._C._profiler import _ExperimentalConfig
+
+from cpdpkit.emulator import emulated_op_counts, init_distributed
+from cpdpkit.topology import Tier, Topology
+
+# Modeled times of 30-145 ms (latency and bandwidth terms both matter) dwarf gloo's own time and CPU noise.
+TEST_TOPOLOGY = Topology(
+    name="test-wan",
+    tiers=(
+        Tier(name="LAN", latency_s=2e-3, bandwidth_bytes_per_s=1e9),
+        Tier(name="WAN", latency_s=25e-3, bandwidth_bytes_per_s=100e6),
+    ),
+    intra_node_tier="LAN",
+    inter_site_tier="WAN",
+    ranks_per_node=None,
+    nodes_per_site=1,
+    num_sites=2,
+)
+TIMED_BYTES = 1024 * 1024
+FOUR_RANK_BYTES = 1024 * 1024
+NUM_TIMED_RUNS = 5
+
+
+def spawn_job(job: str, world_size: int, tmp_path: Path, timeout_s: float = 150.0) -> list[dict[str, Any]]:
+    """Run ``job`` on ``world_size`` spawned ranks and return each rank's result."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / job
+    out.mkdir()
+    ctx = mp.start_processes(_entry, args=(job, world_size, str(out)), nprocs=world_size, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise TimeoutError(f"job {job} did not finish in {timeout_s} s")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def _entry(rank: int, job: str, world_size: int, out: str) -> None:
+    torch.set_num_threads(1)
+    init_distributed(topology=TEST_TOPOLOGY, init_method=f"file://{out}/store", rank=rank,
+                     world_size=world_size)
+    gloo = dist.new_group(backend="gloo")
+    result = JOBS[job](rank, world_size, gloo, out)
+    result["op_counts"] = emulated_op_counts()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier(gloo)
+    dist.destroy_process_group()
+
+
+# ---- checks ------------------------------------------------------------------------------------
+def _timed(op: Callable[[], Any], gloo: Any) -> float:
+    times = []
+    for _ in range(NUM_TIMED_RUNS):
+        dist.barrier(gloo)
+        t0 = time.perf_counter()
+        op()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def collective_times(world: int, timing_group: Any, op_group: Any = None, num_bytes: int = TIMED_BYTES) -> dict[str, float]:
+    """Median seconds of all_reduce, all_gather and reduce_scatter of ``num_bytes`` on ``op_group``."""
+    gloo = timing_group
+    n = num_bytes // 4
+    x = torch.ones(n)
+    gathered = torch.empty(n)
+    scattered = torch.empty(n // world)
+    return {
+        "all_reduce": _timed(lambda: dist.all_reduce(x, group=op_group), gloo),
+        "all_gather": _timed(lambda: dist.all_gather_into_tensor(gathered, torch.ones(n // world), group=op_group), gloo),
+        "reduce_scatter": _timed(lambda: dist.reduce_scatter_tensor(scattered, x, group=op_group), gloo),
+    }
+
+
+def _busy_compute(seconds: float) -> None:
+    a = torch.randn(64, 64)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a = torch.tanh(a @ a)
+
+
+def overlap_times(gloo: Any) -> dict[str, float]:
+    """(compute, comm, overlapped step) medians: the step computes while an all-reduce runs."""
+    x = torch.ones(TIMED_BYTES // 4)
+    compute_s = 0.05
+    comm = _timed(lambda: dist.all_reduce(x), gloo)
+    compute = _timed(lambda: _busy_compute(compute_s), gloo)
+
+    def step() -> None:
+        work = dist.all_reduce(x, async_op=True)
+        _busy_compute(compute_s)
+        work.wait()
+
+    return {"compute_s": compute, "comm_s": comm, "step_s": _timed(step, gloo)}
+
+
+def _train(model: torch.nn.Module, rank: int, steps: int, sync: Callable[[torch.nn.Module], None] | None) -> list[torch.Tensor]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(1000 * rank + step)
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if sync is not None:
+            sync(model)
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
+                               torch.nn.ReLU(), torch.nn.Linear(64, 4))
+
+
+def ddp_and_allreduce_identical(rank: int, world: int, gloo: Any) -> dict[str, bool]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def ddp(group: Any) -> list[torch.Tensor]:
+        return _train(DDP(_mlp(), process_group=group, bucket_cap_mb=0.01), rank, 3, None)
+
+    def allreduce_sync(group: Any) -> Callable[[torch.nn.Module], None]:
+        def sync(model: torch.nn.Module) -> None:
+            works = [dist.all_reduce(p.grad, group=group, async_op=True) for p in model.parameters()]
+            for w, p in zip(works, model.parameters()):
+                w.wait()
+                p.grad /= world
+        return sync
+
+    plain_emu = _train(_mlp(), rank, 3, allreduce_sync(dist.group.WORLD))
+    plain_gloo = _train(_mlp(), rank, 3, allreduce_sync(gloo))
+    before = Counter(emulated_op_counts())
+    ddp_emu = ddp(dist.group.WORLD)
+    ddp_counts = dict(Counter(emulated_op_counts()) - before)
+    return {
+        "ddp_counts": ddp_counts,
+        "ddp_identical": all(torch.equal(a, b) for a, b in zip(ddp_emu, ddp(gloo))),
+        "allreduce_identical": all(torch.equal(a, b) for a, b in zip(plain_emu, plain_gloo)),
+    }
+
+
+def hsdp_identical(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def run(mesh: Any) -> list[torch.Tensor]:
+        model = _mlp()
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        _train(model, rank, 3, None)
+        return [p.full_tensor() for p in model.parameters()]
+
+    names = ("replicate", "shard")
+    emu_mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=names)
+    gloo_mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=names,
+                                 backend_override={"replicate": "gloo", "shard": "gloo"})
+    tiers = {d: getattr(emu_mesh.get_group(d), "tier_name", None) for d in names}
+    kinds = {d: type(gloo_mesh.get_group(d)).__name__ for d in names}
+    before = Counter(emulated_op_counts())
+    emu = run(emu_mesh)
+    fsdp_counts = dict(Counter(emulated_op_counts()) - before)
+    return {"hsdp_identical": all(torch.equal(a, b) for a, b in zip(emu, run(gloo_mesh))),
+            "hsdp_tiers": tiers, "hsdp_reference_groups": kinds, "hsdp_counts": fsdp_counts}
+
+
+def every_path(rank: int, world: int) -> dict[str, Any]:
+    """Issue each collective kind once under a profiler; count gloo, c10d and emu events."""
+    before = Counter(emulated_op_counts())
+    n = 8
+    with torch.profiler.profile(experimental_config=_ExperimentalConfig(profile_all_threads=True)) as prof:
+        t = torch.full((n,), float(rank))
+        dist.broadcast(t, src=0)
+        dist.barrier()
+        dist.all_reduce(t)
+        dist.all_gather([torch.empty(n) for _ in range(world)], t)
+        dist.all_gather_into_tensor(torch.empty(n * world), t)
+        dist.reduce_scatter(torch.empty(n), [torch.ones(n) for _ in range(world)])
+        dist.reduce_scatter_tensor(torch.empty(n), torch.ones(n * world))
+        dist.all_to_all_single(torch.empty(n * world), torch.ones(n * world))
+        dist.all_reduce(t, async_op=True).wait()
+        peer = rank ^ 1
+        if rank % 2 == 0:
+            dist.send(t, dst=peer)
+        else:
+            dist.recv(t, src=peer)
+        dist.barrier()
+    events = [e for e in prof.events() if e.name.startswith(("gloo:", "c10d::", "cpdpkit::emu::"))]
+    kinds = Counter(e.name.split("[")[0] for e in events)
+    return {
+        "path_counts": dict(Counter(emulated_op_counts()) - before),
+        "num_gloo_events": sum(v for k, v in kinds.items() if k.startswith("gloo:")),
+        "num_c10d_events": sum(v for k, v in kinds.items() if k.startswith("c10d::")),
+        "num_emu_events": sum(v for k, v in kinds.items() if k.startswith("cpdpkit::emu::")),
+        "event_kinds": dict(kinds),
+    }
+
+
+def profiler_events(rank: int, out: str) -> dict[str, Any]:
+    """One all-reduce under each profiler mode; return the emu event as exported in the trace."""
+    x = torch.ones(TIMED_BYTES // 4)
+    found: dict[str, Any] = {}
+    for mode, config in (("all_threads", _ExperimentalConfig(profile_all_threads=True)), ("default", None)):
+        kwargs = {"experimental_config": config} if config is not None else {}
+        with torch.profiler.profile(**kwargs) as prof:
+            dist.all_reduce(x)
+        path = os.path.join(out, f"trace-{mode}-{rank}.json")
+        prof.export_chrome_trace(path)
+        trace = json.loads(Path(path).read_text())
+        names = {(e.get("pid"), e.get("tid")): e["args"]["name"] for e in trace["traceEvents"]
+                 if e.get("ph") == "M" and e.get("name") == "thread_name"}
+        emu = [e for e in trace["traceEvents"] if e.get("name", "").startswith("cpdpkit::emu::")]
+        found[mode] = [{"name": e["name"], "dur_us": e["dur"], "cat": e.get("cat"),
+                        "thread": names.get((e.get("pid"), e.get("tid")), str(e.get("tid"))),
+                        "on_issuing_thread": e.get("tid") == threading_native_id()} for e in emu]
+    return found
+
+
+def threading_native_id() -> int:
+    import threading
+
+    return threading.get_native_id()
+
+
+def collective_timeout(rank: int) -> dict[str, Any]:
+    """Rank 1 skips an all-reduce on a group with a 2 s timeout: rank 0 must get an error."""
+    from datetime import timedelta
+
+    group = dist.new_group(timeout=timedelta(seconds=2))
+    if rank != 0:
+        return {}
+    t0 = time.perf_counter()
+    try:
+        dist.all_reduce(torch.ones(4), group=group)
+    except RuntimeError as exc:
+        return {"timeout_error": str(exc).splitlines()[0][:200], "timeout_after_s": time.perf_counter() - t0}
+    return {"timeout_error": None, "timeout_after_s": time.perf_counter() - t0}
+
+
+def job_two_ranks(rank: int, world: int, gloo: Any, out: str) -> dict[str, Any]:
+    result: dict[str, Any] = {"times": collective_times(world, gloo), "overlap": overlap_times(gloo)}
+    result.update(ddp_and_allreduce_identical(rank, world, gloo))
+    result.update(every_path(rank, world))
+    result["profiler"] = profiler_events(rank, out)
+    result.update(collective_timeout(rank))
+    return result
+
+
+def job_four_ranks(rank: int, world: int, gloo: Any, out: str) -> dict[str, Any]:
+    result: dict[str, Any] = {"times": collective_times(world, gloo, num_bytes=FOUR_RANK_BYTES),
+                              "gloo_times": collective_times(world, gloo, gloo, num_bytes=FOUR_RANK_BYTES)}
+    result.update(hsdp_identical(rank, world))
+    result.update(every_path(rank, world))
+    return result
+
+
+JOBS: dict[str, Callable[[int, int, Any, str], dict[str, Any]]] = {
+    "two_ranks": job_two_ranks,
+    "four_ranks": job_four_ranks,
+}

@@ -1,0 +1,106 @@
+"""The emulated backend on 2 and 4 spawned gloo ranks: timing, overlap, numerics, coverage.
+
+Each rank count is one spawned job (tests/_emu_jobs.py) shared by all tests of this module.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import _emu_jobs as jobs
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
+
+TIMED_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+PATH_KINDS = {"all_reduce": 2, "all_gather": 2, "reduce_scatter": 2, "broadcast": 1, "barrier": 2,
+              "all_to_all": 1, "send_recv": 1}
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return jobs.spawn_job("two_ranks", 2, tmp_path_factory.mktemp("emu2"))
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return jobs.spawn_job("four_ranks", 4, tmp_path_factory.mktemp("emu4"))
+
+
+def _modeled_s(op: str, world: int, num_bytes: int) -> float:
+    return jobs.TEST_TOPOLOGY.place(world).collective_time_s(op, num_bytes, range(world))
+
+
+@pytest.mark.parametrize("op", TIMED_OPS)
+def test_two_rank_time_matches_model(two: list[dict[str, Any]], op: str) -> None:
+    modeled = _modeled_s(op, 2, jobs.TIMED_BYTES)
+    assert modeled >= 0.02
+    for rank in two:
+        assert modeled * 0.99 <= rank["times"][op] <= modeled * 1.10, (op, rank["times"][op], modeled)
+
+
+@pytest.mark.parametrize("op", TIMED_OPS)
+def test_four_rank_time_matches_model(four: list[dict[str, Any]], op: str) -> None:
+    modeled = _modeled_s(op, 4, jobs.FOUR_RANK_BYTES)
+    assert modeled >= 0.02
+    for rank in four:
+        assert modeled * 0.99 <= rank["times"][op] <= modeled * 1.10, (op, rank["times"][op], modeled)
+
+
+def test_async_all_reduce_overlaps_compute(two: list[dict[str, Any]]) -> None:
+    for rank in two:
+        o = rank["overlap"]
+        longer, total = max(o["compute_s"], o["comm_s"]), o["compute_s"] + o["comm_s"]
+        assert longer * 0.98 <= o["step_s"] <= longer + 0.15 * min(o["compute_s"], o["comm_s"]) + 0.005, o
+        assert o["step_s"] < 0.8 * total, o
+
+
+def test_ddp_and_plain_all_reduce_are_bit_identical(two: list[dict[str, Any]]) -> None:
+    for rank in two:
+        assert rank["ddp_identical"] and rank["allreduce_identical"]
+        assert rank["ddp_counts"].get("all_reduce", 0) >= 3  # DDP's reducer went through emu
+        assert rank["ddp_counts"].get("broadcast", 0) >= 1  # its initial state sync too
+
+
+def test_hsdp_is_bit_identical_and_sub_groups_get_their_tier(four: list[dict[str, Any]]) -> None:
+    for rank in four:
+        assert rank["hsdp_identical"]
+        assert rank["hsdp_tiers"] == {"replicate": "WAN", "shard": "LAN"}
+        counts = rank["hsdp_counts"]
+        assert counts["all_gather"] > 0 and counts["reduce_scatter"] > 0 and counts["all_reduce"] > 0
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_collective_path_is_emulated(two: list[dict[str, Any]], four: list[dict[str, Any]], world: int) -> None:
+    for rank in two if world == 2 else four:
+        assert rank["path_counts"] == PATH_KINDS
+        # every c10d call (each reaches gloo through the dispatcher) has its emu event
+        assert rank["num_emu_events"] == rank["num_c10d_events"] == sum(PATH_KINDS.values())
+
+
+LABEL = re.compile(
+    r"^cpdpkit::emu::all_reduce\[bytes=1048576,tier=WAN,ranks=0-1,modeled_us=(?P<us>\d+\.\d)\]$"
+)
+
+
+def test_profiler_event_follows_the_contract(two: list[dict[str, Any]]) -> None:
+    modeled_us = _modeled_s("all_reduce", 2, jobs.TIMED_BYTES) * 1e6
+    for rank in two:
+        for mode in ("all_threads", "default"):
+            (event,) = rank["profiler"][mode]
+            match = LABEL.match(event["name"])
+            assert match, event["name"]
+            assert float(match["us"]) == pytest.approx(modeled_us, abs=0.1)
+            assert event["cat"] == "user_annotation"
+            assert modeled_us * 0.9 <= event["dur_us"] <= modeled_us * 1.15
+        assert not rank["profiler"]["all_threads"][0]["on_issuing_thread"]  # on the link's thread
+        assert rank["profiler"]["default"][0]["on_issuing_thread"]
+
+
+def test_collective_times_out_instead_of_hanging(two: list[dict[str, Any]]) -> None:
+    rank0 = two[0]
+    assert rank0["timeout_error"] and "Timed out" in rank0["timeout_error"]
+    assert 1.5 <= rank0["timeout_after_s"] <= 10

@@ -1,0 +1,218 @@
+"""Pure topology logic: placement, tiers, α-β costs against hand-computed numbers, TOML, errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from cpdpkit.errors import TopologyError
+from cpdpkit.topology import (
+    PRESETS,
+    Tier,
+    Topology,
+    format_ranks,
+    load_topology,
+    parse_topology_toml,
+    preset,
+    resolve_topology,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+A, BW = 8.3e-3, 125e6  # the wan preset's WAN tier
+MIB = 1 << 20
+
+
+def test_wan_preset_is_the_cpdp_link() -> None:
+    wan = preset("wan", world_size=2)
+    assert (wan.num_sites, wan.nodes_per_site, wan.ranks_per_node) == (2, 1, 1)
+    tier = wan.tier("WAN")
+    assert 2 * tier.latency_s == pytest.approx(16.6e-3)  # RTT
+    assert tier.bandwidth_bytes_per_s * 8 == pytest.approx(1e9)
+    assert wan.tier_between(0, 1).name == "WAN"
+    assert wan.tier_between(0, 0) is None
+
+
+def test_wan_with_four_ranks_has_lan_inside_a_site() -> None:
+    wan = preset("wan", world_size=4)
+    assert wan.tier_of([0, 1]).name == "LAN"
+    assert wan.tier_of([2, 3]).name == "LAN"
+    assert wan.tier_of([0, 2]).name == "WAN"
+    assert wan.tier_of(range(4)).name == "WAN"
+    assert wan.tier_of([3]) is None
+
+
+@pytest.mark.parametrize(("world", "ranks_per_node", "num_nodes"), [(2, 2, 1), (3, 3, 1), (4, 2, 2), (8, 4, 2), (16, 8, 2), (1024, 8, 128), (6, 2, 3)])
+def test_cluster_placement_rule(world: int, ranks_per_node: int, num_nodes: int) -> None:
+    topo = preset("cluster", world_size=world)
+    assert (topo.ranks_per_node, topo.nodes_per_site, topo.num_sites) == (ranks_per_node, num_nodes, 1)
+
+
+def test_cluster_tiers_and_explicit_ranks_per_node() -> None:
+    topo = preset("cluster", world_size=8, ranks_per_node=2)
+    assert topo.nodes_per_site == 4
+    assert topo.tier_of([0, 1]).name == "NVLINK"
+    assert topo.tier_of([0, 2]).name == "IB"
+    assert topo.tier_of([0, 1, 2]).name == "IB"
+
+
+def test_lan_is_one_node_of_any_size() -> None:
+    for world in (1, 2, 3, 7):
+        topo = preset("lan", world_size=world)
+        assert topo.ranks_per_node == world and topo.world_size == world
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_alpha_beta_formulas(p: int) -> None:
+    topo = preset("wan", world_size=2 * p) if p > 1 else None
+    ranks = [0] + [topo.ranks_per_node * 1 + i for i in range(p - 1)]  # rank 0 + p-1 ranks on site 1
+    assert topo.tier_of(ranks).name == "WAN"
+    n = 4 * MIB
+    log_p = math.ceil(math.log2(p))
+    ring = 2 * (p - 1) * A + 2 * (p - 1) / p * n / BW
+    tree = 2 * log_p * (A + n / BW)
+    assert topo.collective_time_s("all_reduce", n, ranks) == pytest.approx(min(ring, tree))
+    assert topo.all_reduce_algorithm(n, ranks) == ("ring" if ring <= tree else "tree")
+    for op in ("all_gather", "reduce_scatter", "all_to_all"):
+        assert topo.collective_time_s(op, n, ranks) == pytest.approx((p - 1) * A + (p - 1) / p * n / BW)
+    bcast = min(log_p * (A + n / BW), (log_p + p - 1) * A + 2 * (p - 1) / p * n / BW)
+    assert topo.collective_time_s("broadcast", n, ranks) == pytest.approx(bcast)
+    assert topo.collective_time_s("barrier", 0, ranks) == pytest.approx(log_p * A)
+    assert topo.collective_time_s("send_recv", n, ranks[:2]) == pytest.approx(A + n / BW)
+
+
+def test_hand_computed_numbers() -> None:
+    wan = preset("wan", world_size=2)
+    # 2 ranks, 1 MiB: ring = 2*8.3 ms + 1048576 B / 125e6 B/s = 16.6 ms + 8.388608 ms
+    assert wan.collective_time_s("all_reduce", MIB, [0, 1]) == pytest.approx(0.024988608)
+    # 4 ranks, 64 B: ring = 6*8.3 = 49.8 ms > tree = 2*2*8.3 = 33.2 ms (+ tiny byte terms)
+    wan4 = preset("wan", world_size=4)
+    cost = wan4.collective_cost("all_reduce", 64, range(4))
+    assert cost.algorithm == "tree" and cost.tier == "WAN"
+    assert cost.time_s == pytest.approx(4 * (A + 64 / BW))
+    # cluster, 2 NVLINK ranks, 300 MB: 2*3 us + 300e6/300e9 s = 1.006 ms
+    cl = preset("cluster", world_size=4)
+    assert cl.collective_time_s("all_reduce", 300_000_000, [0, 1]) == pytest.approx(6e-6 + 1e-3)
+    assert cl.collective_time_s("all_reduce", 300_000_000, [0]) == 0.0
+
+
+def test_planner_scale_is_cheap() -> None:
+    topo = preset("cluster", world_size=1024)
+    assert topo.tier_of(range(1024)).name == "IB"
+    assert topo.collective_time_s("all_gather", 1 << 30, range(0, 1024, 8)) > 0
+
+
+def test_toml_round_trip_and_dict_round_trip(tmp_path) -> None:
+    for name in PRESETS:
+        for topo in (preset(name), preset(name, world_size=4)):
+            assert parse_topology_toml(topo.to_toml()) == topo
+            assert Topology.from_dict(topo.to_dict()) == topo
+    path = tmp_path / "mine.toml"
+    jittery = Topology(name="mine", tiers=(Tier(name="X", latency_s=1e-3, bandwidth_bytes_per_s=1e9, jitter_frac=0.1),),
+                       intra_node_tier="X", ranks_per_node=4)
+    path.write_text(jittery.to_toml())
+    assert load_topology(path) == jittery
+    assert resolve_topology(str(path), world_size=4) == jittery
+
+
+def test_toml_open_count_is_filled_by_place() -> None:
+    text = """
+name = "two-sites"
+[placement]
+nodes_per_site = 2
+num_sites = 2
+[levels]
+intra_node = "NVLINK"
+inter_node = "IB"
+inter_site = "WAN"
+[tiers.NVLINK]
+latency_s = 3e-6
+bandwidth_bytes_per_s = 300e9
+[tiers.IB]
+latency_s = 5e-6
+bandwidth_bytes_per_s = 25e9
+[tiers.WAN]
+latency_s = 8.3e-3
+bandwidth_bytes_per_s = 125e6
+"""
+    topo = parse_topology_toml(text).place(16)
+    assert topo.ranks_per_node == 4
+    assert [topo.tier_of(g).name for g in ([0, 3], [0, 4], [0, 8])] == ["NVLINK", "IB", "WAN"]
+
+
+def test_format_ranks() -> None:
+    assert format_ranks([0, 1, 2, 3, 8, 9, 10, 11]) == "0-3,8-11"
+    assert format_ranks([5]) == "5"
+    assert format_ranks([2, 0]) == "0,2"
+
+
+BASE = """
+[placement]
+ranks_per_node = 2
+[levels]
+intra_node = "LAN"
+[tiers.LAN]
+latency_s = 1e-4
+bandwidth_bytes_per_s = 1e9
+"""
+
+ERRORS = [
+    (lambda: preset("moon"), "unknown topology preset 'moon'; use one of lan, wan, cluster or a path to a .toml file"),
+    (lambda: preset("wan", world_size=3),
+     "topology 'wan' needs a world size divisible by 2 (2 site(s) x 1 node(s) x ? rank(s)); got 3; "
+     "run a multiple of 2 ranks or use a TOML file"),
+    (lambda: preset("cluster", world_size=11),
+     "preset 'cluster' cannot choose ranks_per_node for world size 11; pass ranks_per_node (--ranks-per-node) or use a TOML file"),
+    (lambda: preset("lan", world_size=0), "world_size = 0 is invalid; set it to a whole number >= 1"),
+    (lambda: preset("wan", world_size=2).place(4),
+     "topology 'wan' places 2 ranks (2 site(s) x 1 node(s) x 1 rank(s)) but the world size is 4; "
+     "change its placement or run 2 ranks"),
+    (lambda: preset("wan").tier_of([0, 1]),
+     "topology 'wan' is not placed yet (2 site(s) x 1 node(s) x ? rank(s)); call place(world_size) or pass --world-size"),
+    (lambda: preset("wan", world_size=2).tier_between(0, 5), "rank 5 is outside topology 'wan' (world size 2); use 0..1"),
+    (lambda: preset("wan", world_size=2).collective_time_s("gossip", 1, [0, 1]),
+     "op = 'gossip' is not a modeled collective; use one of all_reduce, all_gather, reduce_scatter, broadcast, "
+     "barrier, all_to_all, send_recv"),
+    (lambda: preset("wan", world_size=2).collective_time_s("all_reduce", -1, [0, 1]),
+     "num_bytes = -1 is invalid; pass a whole number of bytes >= 0"),
+    (lambda: Tier(name="WAN", latency_s=-1.0, bandwidth_bytes_per_s=1e9),
+     "tiers.WAN.latency_s = -1.0 is invalid; set it to a finite number >= 0"),
+    (lambda: Tier(name="WAN", latency_s=1e-3, bandwidth_bytes_per_s=0),
+     "tiers.WAN.bandwidth_bytes_per_s = 0 is invalid; set it to a finite number > 0"),
+    (lambda: Tier(name="WAN", latency_s=1e-3, bandwidth_bytes_per_s=1e9, jitter_frac=1.5),
+     "tiers.WAN.jitter_frac = 1.5 must be below 1 (a fraction such as 0.05 for ±5 %)"),
+    (lambda: Tier(name="a b", latency_s=1e-3, bandwidth_bytes_per_s=1e9),
+     "tier name 'a b' is invalid; use a short identifier such as 'IB' or 'WAN'"),
+    (lambda: parse_topology_toml(BASE.replace('intra_node = "LAN"', 'intra_node = "IB"'), source="t.toml"),
+     "topology 't': intra_node_tier = 'IB' is not a defined tier; use one of LAN or add [tiers.IB]"),
+    (lambda: parse_topology_toml(BASE.replace("latency_s", "latency_ms"), source="t.toml"),
+     "t.toml [tiers.LAN]: unknown key 'latency_ms'; use one of bandwidth_bytes_per_s, jitter_frac, latency_s"),
+    (lambda: parse_topology_toml(BASE.replace("latency_s = 1e-4\n", ""), source="t.toml"),
+     "t.toml [tiers.LAN]: latency_s is missing; add latency_s = <number>"),
+    (lambda: parse_topology_toml(BASE.replace("ranks_per_node = 2", "ranks_per_node = 0"), source="t.toml"),
+     "ranks_per_node = 0 is invalid; set it to a whole number >= 1 (or \"auto\" in a TOML [placement])"),
+    (lambda: parse_topology_toml(BASE.replace("ranks_per_node = 2", "ranks_per_node = 2\nnum_sites = 2"), source="t.toml"),
+     "topology 't': inter_site_tier is unset but num_sites = 2; name the tier between sites or set num_sites = 1"),
+    (lambda: parse_topology_toml(BASE.replace("ranks_per_node = 2", "nodes_per_site = 2"), source="t.toml"),
+     "topology 't': inter_node_tier is unset but nodes_per_site = 2; name the tier between nodes or set nodes_per_site = 1"),
+    (lambda: parse_topology_toml(BASE + "\nspeed = 3\n", source="t.toml"),
+     "t.toml [tiers.LAN]: unknown key 'speed'; use one of bandwidth_bytes_per_s, jitter_frac, latency_s"),
+    (lambda: parse_topology_toml("name = 'x'\nsites = 2\n", source="t.toml"),
+     "t.toml: unknown key 'sites'; use one of description, levels, name, placement, tiers"),
+    (lambda: parse_topology_toml("name = \n", source="t.toml"),
+     "t.toml: not valid TOML (Invalid value (at line 1, column 8)); fix the syntax"),
+    (lambda: load_topology("/nonexistent/x.toml"),
+     "topology file '/nonexistent/x.toml' cannot be read (No such file or directory); check the path"),
+    (lambda: Topology(name="t", tiers=(Tier(name="A", latency_s=0, bandwidth_bytes_per_s=1),), intra_node_tier="A",
+                      ranks_per_node=None, nodes_per_site=None),
+     "topology 't': ranks_per_node and nodes_per_site are both unset; leave at most one placement count unset "
+     "(it is derived from the world size)"),
+]
+
+
+@pytest.mark.parametrize(("make", "message"), ERRORS)
+def test_validation_errors_are_exact(make, message: str) -> None:
+    with pytest.raises(TopologyError) as info:
+        make()
+    assert str(info.value) == message
