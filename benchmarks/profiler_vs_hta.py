@@ -1,0 +1,146 @@
+"""Benchmark: cpdpkit.profiler vs Holistic Trace Analysis on the same traces (prints JSON).
+
+For each trace folder, runs in a fresh subprocess (so memory figures are clean):
+  * cpdpkit: ``analyze([folder])`` (load + analysis);
+  * HTA 0.5.0: ``TraceAnalysis(trace_dir=folder)`` + ``get_comm_comp_overlap(visualize=False)``.
+and reports wall time, the speed-up, peak memory (tracemalloc peak of the call, and the
+growth of the process's peak RSS) against the uncompressed trace size, and both overlap
+percentages. Inputs: the shared NCCL traces (``../shared/traces``) and a synthesised larger
+trace (the 2-rank trace's events replicated back to back, ``--scale`` copies).
+
+usage: python benchmarks/profiler_vs_hta.py [--scale 8] [--no-hta] [--shared PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import orjson
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_CHILD = r"""
+import json, resource, sys, time, tracemalloc, gc
+tool, folder, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+if tool == "cpdpkit":
+    from cpdpkit.profiler import analyze
+else:
+    import logging
+    logging.disable(logging.CRITICAL)
+    from hta.trace_analysis import TraceAnalysis
+gc.collect()
+rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+if mode == "mem":
+    tracemalloc.start()
+t0 = time.perf_counter()
+if tool == "cpdpkit":
+    report = analyze([folder])
+    overlap = {r.rank: r.overlap_pct for run in report.runs for r in run.ranks}
+else:
+    ta = TraceAnalysis(trace_dir=folder)
+    df = ta.get_comm_comp_overlap(visualize=False)
+    overlap = dict(zip(df["rank"].tolist(), df["comp_comm_overlap_pctg"].tolist()))
+seconds = time.perf_counter() - t0
+peak = tracemalloc.get_traced_memory()[1] if mode == "mem" else None
+rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"seconds": seconds, "tracemalloc_peak_bytes": peak, "rss_growth_bytes": rss1 - rss0,
+                  "overlap_pct": {str(k): round(float(v), 2) for k, v in overlap.items()}}))
+"""
+
+
+def _uncompressed_bytes(folder: Path) -> int:
+    total = 0
+    for f in folder.iterdir():
+        if f.name.endswith(".json.gz"):
+            with gzip.open(f, "rb") as fh:
+                while chunk := fh.read(1 << 24):
+                    total += len(chunk)
+        elif f.name.endswith(".json") and f.name != "run.json":
+            total += f.stat().st_size
+    return total
+
+
+def _child(tool: str, folder: Path, mode: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", _CHILD, tool, str(folder), mode], capture_output=True, text=True,
+                          timeout=3600, cwd=ROOT)
+    if done.returncode != 0:
+        return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _run(tool: str, folder: Path) -> dict:
+    """Time (and peak RSS growth) in one fresh process; tracemalloc peak in another, since
+    tracemalloc slows allocation-heavy code down several times."""
+    timed = _child(tool, folder, "time")
+    if "error" in timed:
+        return timed
+    mem = _child(tool, folder, "mem")
+    timed["tracemalloc_peak_bytes"] = mem.get("tracemalloc_peak_bytes")
+    return timed
+
+
+def synthesize(src: Path, copies: int, out_dir: Path) -> Path:
+    """Replicate a trace's events ``copies`` times back to back (new correlation ids)."""
+    with gzip.open(src, "rb") as fh:
+        doc = orjson.loads(fh.read())
+    events = doc["traceEvents"]
+    timed = [e for e in events if isinstance(e.get("ts"), (int, float))]
+    span = max(e["ts"] + e.get("dur", 0) for e in timed) - min(e["ts"] for e in timed) + 1000
+    out: list[dict] = []
+    for k in range(copies):
+        for e in events:
+            if k and e.get("ph") == "M":
+                continue
+            e2 = dict(e)
+            if "ts" in e2 and isinstance(e2["ts"], (int, float)):
+                e2["ts"] = e2["ts"] + k * span
+            args = e2.get("args")
+            if isinstance(args, dict) and "correlation" in args:
+                e2["args"] = {**args, "correlation": args["correlation"] + k * 10_000_000}
+            if isinstance(e2.get("name"), str) and e2["name"].startswith("ProfilerStep#"):
+                e2["name"] = f"ProfilerStep#{int(e2['name'].split('#')[1]) + 100 * k}"
+            out.append(e2)
+    doc["traceEvents"] = out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "rank-0.json").write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
+    return out_dir
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", type=int, default=8, help="copies of the 2-rank trace in the synthetic trace")
+    parser.add_argument("--no-hta", action="store_true", help="time cpdpkit only")
+    parser.add_argument("--shared", type=Path, default=ROOT.parent / "shared" / "traces")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        folders = {p.name: p for p in sorted(args.shared.iterdir()) if p.is_dir()}
+        if args.scale > 0 and (args.shared / "nccl_2rank" / "rank-0.json.gz").exists():
+            folders[f"synthetic_x{args.scale}"] = synthesize(args.shared / "nccl_2rank" / "rank-0.json.gz",
+                                                             args.scale, Path(tmp) / "synthetic")
+        results = {}
+        for name, folder in folders.items():
+            size = _uncompressed_bytes(folder)
+            ours = _run("cpdpkit", folder)
+            row = {"uncompressed_bytes": size, "cpdpkit": ours}
+            if "tracemalloc_peak_bytes" in ours:
+                row["cpdpkit_peak_over_trace"] = round(ours["tracemalloc_peak_bytes"] / size, 3)
+                row["cpdpkit_rss_growth_over_trace"] = round(ours["rss_growth_bytes"] / size, 3)
+            if not args.no_hta:
+                hta = _run("hta", folder)
+                row["hta"] = hta
+                if "seconds" in hta and "seconds" in ours:
+                    row["speedup"] = round(hta["seconds"] / ours["seconds"], 1)
+                    row["hta_peak_over_trace"] = round(hta["tracemalloc_peak_bytes"] / size, 3)
+            results[name] = row
+    goals = {"speedup_min": 10.0, "peak_over_trace_max": 3.0}
+    print(json.dumps({"benchmark": "profiler_vs_hta", "goals": goals, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

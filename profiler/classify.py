@@ -1,0 +1,200 @@
+"""Which trace events are communication, which are compute, and of which collective kind.
+
+Rules (applied once per distinct event name, then broadcast to events by name id):
+
+GPU traces (events with a ``stream`` argument, as in Holistic Trace Analysis):
+  * communication: kernels whose name matches ``^nccl.*Kernel`` (NCCL on its streams);
+  * memory (neither): names starting ``Memcpy``, ``Memset`` or ``dma``;
+  * compute: every other kernel, except names HTA leaves out (containing ``Memcpy`` or
+    ``Sync``, or starting ``Memset``).
+
+CPU events (any thread):
+  * backend worker collectives: ``gloo:*`` (gloo's ``pt_gloo_runloop`` threads), ``mpi:*``,
+    ``ucc:*`` — the time the collective is in flight;
+  * c10d call sites on the training thread: ``c10d::*`` ops and ``record_param_comms``;
+  * cpdpkit annotations: ``cpdpkit::emu::<op>[...]`` (modeled link time, carries the tier)
+    and ``cpdpkit::sync::<phase>`` (a sync phase: communication or waiting for it).
+  * compute candidates: ``cpu_op`` events that are none of the above.
+
+Canonical collective kinds: all_reduce, all_gather, reduce_scatter, broadcast, barrier,
+all_to_all, send_recv, other.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = [
+    "KINDS",
+    "canonical_kind",
+    "NameClass",
+    "classify_name",
+    "EmuLabel",
+    "parse_emu_label",
+    "parse_rank_ranges",
+    "SYNC_PHASE_KINDS",
+]
+
+KINDS: tuple[str, ...] = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast",
+    "barrier",
+    "all_to_all",
+    "send_recv",
+    "other",
+)
+_KIND_INDEX = {k: i for i, k in enumerate(KINDS)}
+
+# Holistic Trace Analysis 0.5.0's kernel rules (hta/utils/utils.py), reproduced verbatim.
+_NCCL_KERNEL = re.compile(r"^nccl.*Kernel")
+_MEMORY_KERNEL = re.compile(r"(^Memcpy)|(^Memset)|(^dma)")
+_NOT_COMPUTE = re.compile(r"(^nccl.*Kernel)|(.*(Memcpy)|(Memset))|(.*Sync)")
+
+_BACKEND_PREFIXES = ("gloo:", "mpi:", "ucc:")
+EMU_PREFIX = "cpdpkit::emu::"
+SYNC_PREFIX = "cpdpkit::sync::"
+
+SYNC_PHASE_KINDS: dict[str, str] = {
+    "grad_allreduce": "all_reduce",
+    "grad_wait": "all_reduce",
+    "param_average": "all_reduce",
+    "buffer_sync": "broadcast",
+    "state_sync": "all_reduce",
+    "broadcast_init": "broadcast",
+    "slowmo_update": "other",
+}
+
+
+def canonical_kind(text: str) -> str:
+    """Map a collective's name in any spelling (``allreduce``, ``AllGather``, ``_allgather_base_``,
+    ``ncclKernel_ReduceScatter_...``, ``all_to_allv``) to a canonical kind."""
+    t = text.lower().replace("_", "").replace(" ", "")
+    for prefix in ("ncclkernel", "nccldevkernel", "c10d::", "gloo:", "mpi:", "ucc:", "nccl:"):
+        if t.startswith(prefix):
+            t = t[len(prefix) :]
+    if "allreduce" in t:
+        return "all_reduce"
+    if "reducescatter" in t:
+        return "reduce_scatter"
+    if "allgather" in t:
+        return "all_gather"
+    if "alltoall" in t or "all2all" in t:
+        return "all_to_all"
+    if "broadcast" in t or "bcast" in t:
+        return "broadcast"
+    if "barrier" in t:
+        return "barrier"
+    if "sendrecv" in t or t.startswith(("send", "recv", "isend", "irecv", "p2p")):
+        return "send_recv"
+    return "other"
+
+
+@dataclass(frozen=True)
+class NameClass:
+    """What one event name means. ``role`` is one of: ``gpu_comm``, ``gpu_compute``,
+    ``gpu_memory``, ``gpu_other`` (for events on a GPU stream) or ``backend``, ``callsite``,
+    ``emu``, ``sync``, ``cpu`` (for CPU events); ``kind`` is the canonical collective kind
+    (``None`` for non-communication)."""
+
+    gpu_role: str
+    cpu_role: str
+    kind: str | None
+    cpu_kind: str | None
+    reads_comm_args: bool
+
+
+def _gpu_role(name: str) -> str:
+    if _NCCL_KERNEL.match(name):
+        return "gpu_comm"
+    if _MEMORY_KERNEL.match(name):
+        return "gpu_memory"
+    if not _NOT_COMPUTE.match(name):
+        return "gpu_compute"
+    return "gpu_other"
+
+
+def _cpu_role(name: str) -> tuple[str, str | None]:
+    if name.startswith(_BACKEND_PREFIXES):
+        return "backend", canonical_kind(name.split(":", 1)[1])
+    if name.startswith(EMU_PREFIX):
+        label = parse_emu_label(name)
+        return "emu", label.kind if label else "other"
+    if name.startswith(SYNC_PREFIX):
+        phase = name[len(SYNC_PREFIX) :].split("[", 1)[0].split("#", 1)[0]
+        return "sync", SYNC_PHASE_KINDS.get(phase, "other")
+    if name.startswith("c10d::"):
+        return "callsite", canonical_kind(name[len("c10d::") :])
+    if name == "record_param_comms":
+        return "callsite", "other"
+    return "cpu", None
+
+
+def classify_name(name: str) -> NameClass:
+    """Classify one event name (see the module docstring for the rules)."""
+    gpu_role = _gpu_role(name)
+    cpu_role, cpu_kind = _cpu_role(name)
+    kind = canonical_kind(name) if gpu_role == "gpu_comm" else None
+    reads = gpu_role == "gpu_comm" or name == "record_param_comms"
+    return NameClass(gpu_role, cpu_role, kind, cpu_kind, reads)
+
+
+def kind_index(kind: str) -> int:
+    """Position of a canonical kind in :data:`KINDS`."""
+    return _KIND_INDEX[kind]
+
+
+@dataclass(frozen=True)
+class EmuLabel:
+    """Fields of a ``cpdpkit::emu::<op>[bytes=..,tier=..,ranks=..,modeled_us=..]`` name."""
+
+    kind: str
+    num_bytes: int | None
+    tier: str | None
+    ranks: tuple[int, ...] | None
+    modeled_us: float | None
+
+
+_EMU = re.compile(r"^cpdpkit::emu::(?P<op>[A-Za-z0-9_]+)(?:\[(?P<fields>[^\]]*)\])?$")
+
+
+def parse_rank_ranges(text: str) -> tuple[int, ...] | None:
+    """``"0-3,8-11"`` -> (0, 1, 2, 3, 8, 9, 10, 11); ``None`` if malformed."""
+    ranks: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            return None
+        a, b = int(lo), int(hi) if sep else int(lo)
+        if b < a or b - a > 1 << 20:
+            return None
+        ranks.extend(range(a, b + 1))
+    return tuple(ranks)
+
+
+def parse_emu_label(name: str) -> EmuLabel | None:
+    """Parse an emulator event name; ``None`` when it does not follow the contract."""
+    m = _EMU.match(name)
+    if not m:
+        return None
+    fields: dict[str, str] = {}
+    for item in (m.group("fields") or "").split(","):
+        key, sep, value = item.partition("=")
+        if sep:
+            fields[key.strip()] = value.strip()
+        elif fields and "ranks" in fields and item.strip():
+            fields["ranks"] += "," + item.strip()  # ranges contain commas: ranks=0-3,8-11
+    op = m.group("op")
+    kind = op if op in _KIND_INDEX else canonical_kind(op)
+
+    def num(key: str, cast: type) -> float | int | None:
+        try:
+            return cast(fields[key]) if key in fields else None
+        except ValueError:
+            return None
+
+    ranks = parse_rank_ranges(fields["ranks"]) if "ranks" in fields else None
+    return EmuLabel(kind, num("bytes", int), fields.get("tier") or None, ranks, num("modeled_us", float))

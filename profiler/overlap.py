@@ -1,0 +1,382 @@
+"""Exposed and hidden communication of one rank: the analysis behind ``cpdpkit profile``.
+
+Definitions (``|·|`` is total length of merged intervals):
+
+* exposed = ``|comm ∖ compute|`` — communication while the compute timeline does nothing;
+* hidden = ``|comm ∩ compute|`` — communication that runs under compute;
+* overlap % = hidden / comm × 100 (Holistic Trace Analysis' ``comp_comm_overlap_pctg``).
+
+What is communication and compute depends on the trace (rules per event name in
+:mod:`cpdpkit.profiler.classify`):
+
+GPU traces (any event on a GPU stream): comm = NCCL kernels (plus emulated link time,
+``cpdpkit::emu::*``), compute = the other non-memory kernels, all streams merged — exactly
+HTA's ``get_comm_comp_overlap``, including its two details: GPU times are rounded inward
+to whole microseconds, and with two or more steps only work launched before the last
+``ProfilerStep`` starts is counted (the last step may be cut off; it is reported per step
+with ``partial`` set). Per step, a kernel belongs to the ``ProfilerStep#N`` in
+which its CUDA launch ran (matched by correlation id), since GPU work lags the CPU.
+
+CPU traces: comm = every interval in which a collective is in flight or being issued:
+``gloo:*`` ops on gloo's worker threads, ``cpdpkit::emu::*`` modeled link time, and, on
+any thread, the c10d call sites (``c10d::*``, ``record_param_comms``) and
+``cpdpkit::sync::*`` phases. Compute = the *training thread* (the one that holds the
+``ProfilerStep#N`` markers; else the thread with most ``cpu_op`` time) — the union of its
+``cpu_op`` events that are not communication, minus the intervals of its c10d call sites
+and sync phases (ops nested in a sync phase are part of communicating, not compute).
+``Work.wait()`` leaves no event, so waits are read from the gaps between the training
+thread's events: a gap in which a collective completes is a wait and counts as
+communication (of that collective's kind) for its whole length; other gaps shorter than
+``IDLE_GAP_US`` are Python/dispatch overhead and count as compute; longer ones are idle
+(a descheduled thread looks the same as a waiting one: on a busy CPU, communication threads
+taking the cores from compute is exposed cost too). Per step, intervals are clipped to the
+``ProfilerStep#N`` window. Slices by kind, process group and tier are each merged on
+their own, so slices may overlap in time and need not sum to the total.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from cpdpkit.profiler import intervals as iv
+from cpdpkit.profiler.classify import parse_emu_label
+from cpdpkit.profiler.report import CommTotals, RankReport, StepReport
+from cpdpkit.profiler.trace import RankTrace
+
+__all__ = ["analyze_trace", "PARTIAL_STEP_FRACTION", "IDLE_GAP_US", "WAIT_SLACK_US"]
+
+_STEP = re.compile(r"^ProfilerStep#(\d+)$")
+_CPU_OP_CATS = frozenset({"cpu_op", "operator"})
+_CPU_COMM_ROLES = frozenset({"backend", "emu", "sync", "callsite"})
+_TRAINING_COMM_ROLES = frozenset({"sync", "callsite", "backend"})
+_INFLIGHT_ROLES = frozenset({"backend", "emu"})
+# gaps between the training thread's ops shorter than this are Python/dispatch overhead
+# (compute); longer ones are idle: waiting when a collective is in flight
+IDLE_GAP_US = 100.0
+# a collective that completes this long after the training thread resumed still ended its
+# wait (the worker's profiler event closes just after it wakes the waiter)
+WAIT_SLACK_US = 100.0
+# the last step is "partial" (left open by trace_rank at exit) when shorter than this share
+# of the median complete step
+PARTIAL_STEP_FRACTION = 0.1
+
+
+def _per_name(trace: RankTrace, attr: str, values: Iterable[str]) -> np.ndarray:
+    wanted = set(values)
+    table = np.array([getattr(c, attr) in wanted for c in trace.name_classes], dtype=bool)
+    return table[trace.name_id] if table.size else np.zeros(trace.num_events, dtype=bool)
+
+
+def _training_thread(trace: RankTrace, on_cpu: np.ndarray, step_rows: np.ndarray) -> int | None:
+    if step_rows.size:
+        return int(Counter(trace.thread_id[step_rows].tolist()).most_common(1)[0][0])
+    cpu_op_ids = [i for i, c in enumerate(trace.cats) if c in _CPU_OP_CATS]
+    rows = np.flatnonzero(on_cpu & np.isin(trace.cat_id, cpu_op_ids))
+    if not rows.size:
+        return None
+    busy = np.bincount(trace.thread_id[rows], weights=trace.end_us[rows] - trace.start_us[rows])
+    for tid, label in trace.thread_names.items():
+        if "gloo" in label and tid < busy.size:
+            busy[tid] = -1.0
+    return int(np.argmax(busy))
+
+
+def _steps(trace: RankTrace, thread: int | None, step_rows: np.ndarray) -> list[tuple[int, float, float]]:
+    rows = step_rows if thread is None else step_rows[trace.thread_id[step_rows] == thread]
+    steps = [
+        (int(_STEP.match(trace.names[trace.name_id[r]]).group(1)), float(trace.start_us[r]), float(trace.end_us[r]))
+        for r in rows
+    ]
+    return sorted(steps, key=lambda s: s[1])
+
+
+def _kinds_of(trace: RankTrace, rows: np.ndarray) -> np.ndarray:
+    gpu_table = np.array([c.kind or "other" for c in trace.name_classes], dtype=object)
+    cpu_table = np.array([c.cpu_kind or "other" for c in trace.name_classes], dtype=object)
+    if not rows.size:
+        return np.empty(0, dtype=object)
+    nid = trace.name_id[rows]
+    kinds = np.where(trace.stream[rows] != -1, gpu_table[nid], cpu_table[nid])
+    for i, row in enumerate(rows.tolist()):
+        if row in trace.comm_kind:
+            kinds[i] = trace.comm_kind[row]
+    return kinds
+
+
+def _process_groups(trace: RankTrace) -> dict[str, dict[str, Any]]:
+    info = trace.meta.get("distributedInfo")
+    config = info.get("pg_config") if isinstance(info, dict) else None
+    groups: dict[str, dict[str, Any]] = {}
+    if isinstance(config, list):
+        for pg in config:
+            if isinstance(pg, dict) and isinstance(pg.get("pg_name"), (str, int)):
+                ranks = pg.get("ranks")
+                groups[str(pg["pg_name"])] = {
+                    "desc": pg.get("pg_desc") if isinstance(pg.get("pg_desc"), str) else None,
+                    "ranks": [r for r in ranks if type(r) is int] if isinstance(ranks, list) else None,
+                }
+    return groups
+
+
+def _labels(trace: RankTrace, rows: np.ndarray, groups: Mapping[str, Mapping[str, Any]]) -> tuple[list, list]:
+    """Process group and tier of each comm row (``None`` when unknown)."""
+    by_ranks: dict[tuple[int, ...], list[str]] = {}
+    for name, pg in groups.items():
+        if pg.get("ranks"):
+            by_ranks.setdefault(tuple(sorted(pg["ranks"])), []).append(name)
+    only = next(iter(groups)) if len(groups) == 1 else None
+    pgs: list[str | None] = []
+    tiers: list[str | None] = []
+    emu_cache: dict[int, Any] = {}
+    for row in rows.tolist():
+        nid = int(trace.name_id[row])
+        pg, tier = trace.pg_name.get(row), None
+        if trace.name_classes[nid].cpu_role == "emu" and trace.stream[row] == -1:
+            if nid not in emu_cache:
+                emu_cache[nid] = parse_emu_label(trace.names[nid])
+            label = emu_cache[nid]
+            if label is not None:
+                tier = label.tier
+                match = by_ranks.get(tuple(sorted(label.ranks))) if label.ranks else None
+                if pg is None and match and len(match) == 1:
+                    pg = match[0]
+        pgs.append(pg if pg is not None else only)
+        tiers.append(tier)
+    return pgs, tiers
+
+
+def _split(starts: np.ndarray, ends: np.ndarray, compute: iv.Intervals) -> tuple[iv.Intervals, iv.Intervals, iv.Intervals]:
+    comm = iv.merge(starts, ends)
+    return comm, iv.subtract(comm, compute), iv.intersect(comm, compute)
+
+
+def _totals(comm: iv.Intervals, exposed: iv.Intervals, hidden: iv.Intervals) -> CommTotals:
+    return CommTotals(iv.total_us(comm), iv.total_us(exposed), iv.total_us(hidden))
+
+
+def _grouped(labels: Iterable[Any], starts: np.ndarray, ends: np.ndarray, compute: iv.Intervals) -> dict[str, CommTotals]:
+    labels = np.asarray(list(labels), dtype=object)
+    out: dict[str, CommTotals] = {}
+    for label in sorted({x for x in labels.tolist() if x is not None}):
+        sel = labels == label
+        out[str(label)] = _totals(*_split(starts[sel], ends[sel], compute))
+    return out
+
+
+def _launch_us(trace: RankTrace, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """CPU start of the event that launched each row (same correlation id), and whether one
+    was found; rows without a launch keep their own start."""
+    anchor = trace.start_us[rows].copy()
+    found = np.zeros(rows.size, dtype=bool)
+    launches = np.flatnonzero((trace.stream == -1) & (trace.correlation >= 0))
+    if launches.size and rows.size:
+        corr = trace.correlation[launches]
+        order = np.argsort(corr, kind="stable")
+        corr_sorted, launch_us = corr[order], trace.start_us[launches][order]
+        want = trace.correlation[rows]
+        pos = np.clip(np.searchsorted(corr_sorted, want), 0, corr_sorted.size - 1)
+        found = (want >= 0) & (corr_sorted[pos] == want)
+        anchor[found] = launch_us[pos[found]]
+    return anchor, found
+
+
+def _step_index(anchor: np.ndarray, steps: list[tuple[int, float, float]]) -> np.ndarray:
+    starts = np.array([s[1] for s in steps])
+    ends = np.array([s[2] for s in steps])
+    idx = np.searchsorted(starts, anchor, side="right") - 1
+    inside = (idx >= 0) & (anchor <= ends[np.clip(idx, 0, None)])
+    return np.where(inside, idx, -1)
+
+
+def _hta_kept(trace: RankTrace, rows: np.ndarray, steps: list[tuple[int, float, float]]) -> np.ndarray:
+    """HTA's filter: with two or more steps, keep GPU work launched before the last step
+    starts (the last step may be cut off by the end of the trace); CPU rows by their start."""
+    if len(steps) < 2:
+        return np.ones(rows.size, dtype=bool)
+    anchor, found = _launch_us(trace, rows)
+    on_cpu = trace.stream[rows] == -1
+    return (found | on_cpu) & (anchor < steps[-1][1])
+
+
+def _mark_partial(steps: list[tuple[int, float, float]]) -> list[bool]:
+    partial = [False] * len(steps)
+    if len(steps) >= 2:
+        durations = [e - s for _, s, e in steps]
+        if durations[-1] < PARTIAL_STEP_FRACTION * float(np.median(durations[:-1])):
+            partial[-1] = True
+    return partial
+
+
+def _steps_cpu(
+    steps: list[tuple[int, float, float]],
+    compute: iv.Intervals,
+    sets: Mapping[str | None, tuple[iv.Intervals, iv.Intervals, iv.Intervals]],
+    op_starts: np.ndarray,
+) -> list[StepReport]:
+    lo = np.array([s[1] for s in steps])
+    hi = np.array([s[2] for s in steps])
+    measured = {key: [iv.measure_in_windows(x, lo, hi) for x in triple] for key, triple in sets.items()}
+    compute_us = iv.measure_in_windows(compute, lo, hi)
+    out = []
+    for k, ((num, start, end), partial) in enumerate(zip(steps, _mark_partial(steps))):
+        by_kind = {
+            key: CommTotals(*(float(m[k]) for m in ms)) for key, ms in measured.items() if key and ms[0][k] > 0
+        }
+        c, e, h = (float(m[k]) for m in measured[None])
+        # a last step in which the training thread starts no op is the one left open at exit
+        no_ops = np.searchsorted(op_starts, end, "right") == np.searchsorted(op_starts, start, "left")
+        empty = bool(k == len(steps) - 1 and len(steps) > 1 and c == 0 and no_ops)
+        out.append(StepReport(num, end - start, float(compute_us[k]), c, e, h, by_kind, partial or empty))
+    return out
+
+
+def _steps_gpu(
+    trace: RankTrace,
+    steps: list[tuple[int, float, float]],
+    compute_rows: np.ndarray,
+    comm_rows: np.ndarray,
+    kinds: np.ndarray,
+    s_all: np.ndarray,
+    e_all: np.ndarray,
+) -> list[StepReport]:
+    comm_step = _step_index(_launch_us(trace, comm_rows)[0], steps)
+    compute_step = _step_index(_launch_us(trace, compute_rows)[0], steps)
+    compute = iv.merge(s_all[compute_rows], e_all[compute_rows])
+    partial = [False] * (len(steps) - 1) + [len(steps) >= 2]
+    out = []
+    for k, (num, start, end) in enumerate(steps):
+        rows = comm_rows[comm_step == k]
+        mine = compute_rows[compute_step == k]
+        total = _totals(*_split(s_all[rows], e_all[rows], compute))
+        by_kind = _grouped(kinds[comm_step == k], s_all[rows], e_all[rows], compute)
+        out.append(StepReport(num, end - start, iv.total_us(iv.merge(s_all[mine], e_all[mine])),
+                              total.comm_us, total.exposed_us, total.hidden_us, by_kind, partial[k]))
+    return out
+
+
+def _cpu_timeline(
+    trace: RankTrace, thread: int | None, role: Any
+) -> tuple[iv.Intervals, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The training thread's compute, its waits as ``(starts, ends, collective_rows)``, and
+    the sorted start times of its ops.
+
+    Compute is the thread's ops plus the short gaps between them (Python and dispatch
+    overhead), minus its communication call sites and sync phases. A gap in which a
+    collective completes is a wait (attributed to that collective); any other gap of
+    ``IDLE_GAP_US`` or more is idle (neither compute nor a wait)."""
+    none = np.empty(0, dtype=np.float64)
+    if thread is None:
+        return iv.EMPTY, none, none, np.empty(0, dtype=np.int64), none
+    on_thread = (trace.thread_id == thread) & (trace.stream == -1)
+    cpu_op_ids = [i for i, c in enumerate(trace.cats) if c in _CPU_OP_CATS]
+    ops = np.flatnonzero(on_thread & np.isin(trace.cat_id, cpu_op_ids) & role({"cpu"}))
+    comm_here = np.flatnonzero(on_thread & role(_TRAINING_COMM_ROLES))
+    s, e = trace.start_us, trace.end_us
+    blocked = iv.merge(s[comm_here], e[comm_here])
+    # the thread's other events (ProfilerStep#N, record_function labels) show it running at
+    # their edges: zero-length marks split gaps there, so a wait ends at its step's end
+    marks = np.flatnonzero(on_thread & ~np.isin(trace.cat_id, cpu_op_ids))
+    edges = np.concatenate([s[marks], e[marks]])
+    active = iv.union(iv.merge(s[ops], e[ops]), blocked, iv.merge(edges, edges))
+    wait_s, wait_e, wait_rows = none, none, np.empty(0, dtype=np.int64)
+    if len(active) > 1:
+        g0, g1 = active.ends[:-1], active.starts[1:]
+        inflight = np.flatnonzero(role(_INFLIGHT_ROLES))
+        inflight = inflight[np.argsort(e[inflight], kind="stable")]
+        done = e[inflight]
+        k = np.minimum(np.searchsorted(done, g0, side="left"), max(done.size - 1, 0))
+        if done.size:
+            completes = (done[k] >= g0) & (done[k] <= g1 + WAIT_SLACK_US)
+        else:
+            completes = np.zeros(g0.size, dtype=bool)
+        overhead = (g1 - g0 < IDLE_GAP_US) & ~completes
+        active = iv.union(active, iv.Intervals(g0[overhead], g1[overhead]))
+        wait_s, wait_e, wait_rows = g0[completes], g1[completes], inflight[k[completes]]
+    op_starts = np.sort(np.concatenate([s[ops], s[comm_here]]))
+    return iv.subtract(active, blocked), wait_s, wait_e, wait_rows, op_starts
+
+
+def _whole_us(trace: RankTrace, on_gpu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Round GPU events inward to whole microseconds (start up, end down), as HTA does for
+    nanosecond-resolution traces, whose adjacent kernels on one stream can overlap slightly."""
+    start, end = trace.start_us.copy(), trace.end_us.copy()
+    o = trace.origin_us
+    start[on_gpu] = np.ceil(start[on_gpu] + o) - o
+    end[on_gpu] = np.maximum(np.floor(end[on_gpu] + o) - o, start[on_gpu])
+    return start, end
+
+
+def _gpu_analysis(trace, steps, on_gpu, gpu_comm, gpu_compute, role):  # type: ignore[no-untyped-def]
+    """GPU mode: (label rows, comm starts, comm ends, compute, step reports)."""
+    s_all, e_all = _whole_us(trace, on_gpu)
+    all_comm = np.flatnonzero(gpu_comm | role({"emu"}))
+    all_compute = np.flatnonzero(gpu_compute)
+    comm_rows = all_comm[_hta_kept(trace, all_comm, steps)]
+    compute_rows = all_compute[_hta_kept(trace, all_compute, steps)]
+    compute = iv.merge(s_all[compute_rows], e_all[compute_rows])
+    step_reports = (
+        _steps_gpu(trace, steps, all_compute, all_comm, _kinds_of(trace, all_comm), s_all, e_all) if steps else []
+    )
+    return comm_rows, s_all[comm_rows], e_all[comm_rows], compute, step_reports
+
+
+def _cpu_analysis(trace, steps, thread, role):  # type: ignore[no-untyped-def]
+    """CPU mode: (label rows, comm starts, comm ends, compute, step reports)."""
+    compute, wait_s, wait_e, wait_rows, op_starts = _cpu_timeline(trace, thread, role)
+    rows = np.flatnonzero(role(_CPU_COMM_ROLES))
+    label_rows = np.concatenate([rows, wait_rows])
+    cs = np.concatenate([trace.start_us[rows], wait_s])
+    ce = np.concatenate([trace.end_us[rows], wait_e])
+    kinds = _kinds_of(trace, label_rows)
+    sets: dict[str | None, Any] = {None: _split(cs, ce, compute)}
+    for kind in sorted(set(kinds.tolist())):
+        sel = kinds == kind
+        sets[kind] = _split(cs[sel], ce[sel], compute)
+    step_reports = _steps_cpu(steps, compute, sets, op_starts) if steps else []
+    return label_rows, cs, ce, compute, step_reports
+
+
+def analyze_trace(trace: RankTrace, *, rank: int | None = None) -> RankReport:
+    """Exposed/hidden communication of one rank (see the module docstring for the rules)."""
+    on_gpu = trace.stream != -1
+    gpu_comm = on_gpu & _per_name(trace, "gpu_role", {"gpu_comm"})
+    gpu_compute = on_gpu & _per_name(trace, "gpu_role", {"gpu_compute"})
+    mode = "gpu" if (gpu_comm.any() or gpu_compute.any()) else "cpu"
+
+    def role(roles: Iterable[str]) -> np.ndarray:
+        return ~on_gpu & _per_name(trace, "cpu_role", roles)
+
+    step_table = np.array([bool(_STEP.match(n)) for n in trace.names], dtype=bool)
+    is_step = step_table[trace.name_id] if step_table.size else np.zeros(trace.num_events, bool)
+    step_rows = np.flatnonzero(is_step & ~on_gpu)
+    thread = _training_thread(trace, ~on_gpu, step_rows)
+    steps = _steps(trace, thread, step_rows)
+    if mode == "gpu":
+        rows, cs, ce, compute, step_reports = _gpu_analysis(trace, steps, on_gpu, gpu_comm, gpu_compute, role)
+    else:
+        rows, cs, ce, compute, step_reports = _cpu_analysis(trace, steps, thread, role)
+    kinds = _kinds_of(trace, rows)
+    groups = _process_groups(trace)
+    pgs, tiers = _labels(trace, rows, groups)
+    total = _totals(*_split(cs, ce, compute))
+    span = float(trace.end_us.max() - trace.start_us.min()) if trace.num_events else 0.0
+    return RankReport(
+        rank=rank if rank is not None else (trace.rank if trace.rank is not None else 0),
+        path=trace.path,
+        mode=mode,
+        span_us=span,
+        compute_us=iv.total_us(compute),
+        comm_us=total.comm_us,
+        exposed_us=total.exposed_us,
+        hidden_us=total.hidden_us,
+        by_kind=_grouped(kinds, cs, ce, compute),
+        by_process_group=_grouped(pgs, cs, ce, compute),
+        by_tier=_grouped(tiers, cs, ce, compute),
+        steps=tuple(step_reports),
+        process_groups=groups,
+    )

@@ -1,0 +1,153 @@
+"""Finding runs and their rank files, and analysing them into one :class:`OverlapReport`.
+
+A *run* is a folder of per-rank trace files (``*.json`` / ``*.json.gz``, torch-tb-profiler's
+``<worker>.pt.trace.json[.gz]`` or any other name; ``run.json`` and hidden files are not
+traces) with an optional ``run.json`` (strategy, period, topology, world size). A path
+given to :func:`analyze` may be a run folder, a single trace file (a run of one rank), or a
+folder whose sub-folders are runs. Rank files are read one at a time and reduced to a
+:class:`RankReport` before the next is read, so memory holds one trace at a time. A bad
+file or folder becomes a :class:`TraceIssue` and never hides the other results.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import orjson
+
+from cpdpkit.profiler.errors import TraceFileError
+from cpdpkit.profiler.overlap import analyze_trace
+from cpdpkit.profiler.report import OverlapReport, RankReport, RunReport, TraceIssue, summarize_ranks
+from cpdpkit.profiler.trace import load_trace
+
+__all__ = ["RUN_JSON", "find_trace_files", "read_run_info", "analyze_run", "analyze", "expand_paths"]
+
+RUN_JSON = "run.json"
+
+
+def _is_trace_name(name: str) -> bool:
+    return (
+        not name.startswith(".")
+        and name != RUN_JSON
+        and (name.endswith(".json") or name.endswith(".json.gz"))
+    )
+
+
+def find_trace_files(folder: str | os.PathLike[str]) -> list[str]:
+    """Trace files directly inside ``folder``, sorted by name."""
+    folder = os.fspath(folder)
+    with os.scandir(folder) as entries:
+        return sorted(os.path.join(folder, e.name) for e in entries if e.is_file() and _is_trace_name(e.name))
+
+
+def read_run_info(folder: str | os.PathLike[str]) -> dict[str, Any]:
+    """``folder/run.json`` as a dict ({} when absent); :class:`TraceFileError` if unreadable."""
+    path = os.path.join(os.fspath(folder), RUN_JSON)
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path, "rb") as fh:
+            info = orjson.loads(fh.read())
+    except OSError as exc:
+        raise TraceFileError(path, f"cannot read the file ({exc.strerror or exc})") from None
+    except orjson.JSONDecodeError as exc:
+        raise TraceFileError(path, f"not valid JSON ({exc})") from None
+    if not isinstance(info, dict):
+        raise TraceFileError(path, "run.json must hold a JSON object")
+    return info
+
+
+def expand_paths(paths: Iterable[str | os.PathLike[str]]) -> tuple[list[tuple[str, list[str]]], list[TraceIssue]]:
+    """Turn user paths into ``(run_path, trace_files)`` pairs, plus issues for bad paths."""
+    runs: list[tuple[str, list[str]]] = []
+    issues: list[TraceIssue] = []
+    for raw in paths:
+        path = os.fspath(raw)
+        if os.path.isfile(path):
+            runs.append((path, [path]))
+            continue
+        if not os.path.isdir(path):
+            issues.append(TraceIssue(path, f"{path}: no such file or folder"))
+            continue
+        try:
+            files = find_trace_files(path)
+            subdirs = sorted(e.path for e in os.scandir(path) if e.is_dir() and not e.name.startswith("."))
+        except OSError as exc:
+            issues.append(TraceIssue(path, f"{path}: cannot list the folder ({exc.strerror or exc})"))
+            continue
+        if files:
+            runs.append((path, files))
+            continue
+        nested = [(d, find_trace_files(d)) for d in subdirs]
+        nested = [(d, f) for d, f in nested if f]
+        if nested:
+            runs.extend(nested)
+        else:
+            issues.append(TraceIssue(path, f"{path}: no trace files (*.json, *.json.gz) in this folder"))
+    return runs, issues
+
+
+def analyze_run(run_path: str, files: Sequence[str], *, name: str | None = None) -> tuple[RunReport | None, list[TraceIssue]]:
+    """Analyse one run's rank files; a run whose every file fails is ``None``."""
+    issues: list[TraceIssue] = []
+    folder = run_path if os.path.isdir(run_path) else os.path.dirname(run_path) or "."
+    try:
+        info = read_run_info(folder)
+    except TraceFileError as exc:
+        issues.append(TraceIssue(exc.path, str(exc)))
+        info = {}
+    ranks: list[RankReport] = []
+    for index, path in enumerate(files):
+        try:
+            trace = load_trace(path)
+            ranks.append(analyze_trace(trace, rank=trace.rank if trace.rank is not None else index))
+        except TraceFileError as exc:
+            issues.append(TraceIssue(exc.path, str(exc)))
+        except MemoryError:
+            issues.append(TraceIssue(path, f"{path}: out of memory while reading the trace"))
+        except Exception as exc:  # noqa: BLE001 - one bad file must not lose the other ranks
+            issues.append(TraceIssue(path, f"{path}: cannot analyse the trace ({type(exc).__name__}: {exc})"))
+    if not ranks:
+        return None, issues
+    ranks.sort(key=lambda r: (r.rank, r.path))
+    strategy = info.get("strategy") if isinstance(info.get("strategy"), str) else None
+    default_name = os.path.basename(os.path.normpath(run_path))
+    report = RunReport(
+        name=name or strategy or default_name,
+        path=run_path,
+        strategy=strategy,
+        run_info=info,
+        ranks=tuple(ranks),
+        summary=summarize_ranks(tuple(ranks)),
+    )
+    return report, issues
+
+
+def analyze(paths: Iterable[str | os.PathLike[str]]) -> OverlapReport:
+    """Analyse run folders, trace files, or folders of run folders into one report.
+
+    Run names are the ``strategy`` from ``run.json``, else the folder name; a repeated
+    name gets the folder appended (``ddp (runs/b)``).
+    """
+    runs, issues = expand_paths(paths)
+    reports: list[RunReport] = []
+    seen: set[str] = set()
+    for run_path, files in runs:
+        report, run_issues = analyze_run(run_path, files)
+        issues.extend(run_issues)
+        if report is None:
+            continue
+        if report.name in seen:
+            report = RunReport(
+                name=f"{report.name} ({run_path})",
+                path=report.path,
+                strategy=report.strategy,
+                run_info=report.run_info,
+                ranks=report.ranks,
+                summary=report.summary,
+            )
+        seen.add(report.name)
+        reports.append(report)
+    return OverlapReport(runs=tuple(reports), errors=tuple(issues))

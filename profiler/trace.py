@@ -1,0 +1,255 @@
+"""One rank's trace as a few numpy columns: what the overlap analysis needs, and nothing more.
+
+:func:`load_trace` streams a Chrome-trace file (``.json`` or ``.json.gz``) batch by batch
+and keeps, for every complete event (``ph == "X"``), its start and end (microseconds,
+relative to the file's first event), an interned name and category, its thread, its GPU
+stream (-1 on the CPU), its CUDA correlation id and, for communication events only, the
+collective and process group from its arguments. The event dicts are dropped batch by
+batch, so memory is a few columns per event instead of the whole JSON tree.
+
+Events are validated as they go by: a non-object event, or a complete event whose
+``name``/``ts``/``dur``/``pid``/``tid``/``args`` is missing or of the wrong type, makes the
+whole file fail with one line naming the file, the event index and the field.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from cpdpkit.profiler._reader import (
+    DEFAULT_CHUNK_BYTES,
+    StreamingNotPossible,
+    read_events,
+    read_events_whole,
+)
+from cpdpkit.profiler.classify import NameClass, canonical_kind, classify_name
+from cpdpkit.profiler.errors import TraceFileError
+
+__all__ = ["RankTrace", "load_trace", "rank_from_file_name"]
+
+_NUMBER = (int, float)
+
+
+@dataclass(frozen=True, eq=False)
+class RankTrace:
+    """Columns of one rank's complete events plus the trace metadata.
+
+    ``start_us``/``end_us`` are relative to ``origin_us`` (the earliest event start).
+    ``comm_kind`` holds a canonical kind from the event's ``Collective name`` argument
+    (``""`` when absent) and ``pg_name`` its ``Process Group Name``, both only for
+    communication events.
+    """
+
+    path: str
+    rank: int | None
+    meta: dict[str, Any]
+    origin_us: float
+    start_us: np.ndarray
+    end_us: np.ndarray
+    name_id: np.ndarray
+    cat_id: np.ndarray
+    thread_id: np.ndarray
+    stream: np.ndarray
+    correlation: np.ndarray
+    names: list[str]
+    name_classes: list[NameClass]
+    cats: list[str]
+    threads: list[tuple[Any, Any]]
+    thread_names: dict[int, str]
+    comm_kind: dict[int, str] = field(default_factory=dict)
+    pg_name: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def num_events(self) -> int:
+        return int(self.start_us.shape[0])
+
+
+class _Columns:
+    """Accumulates validated events into compact typed arrays."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.ts = array("d")
+        self.dur = array("d")
+        self.name_id = array("i")
+        self.cat_id = array("h")
+        self.thread_id = array("i")
+        self.stream = array("i")
+        self.corr = array("q")
+        self.names: list[str] = []
+        self.name_ids: dict[str, int] = {}
+        self.classes: list[NameClass] = []
+        self.cats: list[str] = []
+        self.cat_ids: dict[Any, int] = {}
+        self.threads: list[tuple[Any, Any]] = []
+        self.thread_ids: dict[tuple[Any, Any], int] = {}
+        self.thread_labels: dict[tuple[Any, Any], str] = {}
+        self.comm_kind: dict[int, str] = {}
+        self.pg_name: dict[int, str] = {}
+
+    def _bad(self, index: int, event: Any, problem: str) -> TraceFileError:
+        name = event.get("name") if isinstance(event, dict) else None
+        label = f" ({name!r})" if isinstance(name, str) else ""
+        return TraceFileError(self.path, f"traceEvents[{index}]{label}: {problem}")
+
+    def _field_error(self, index: int, event: dict, key: str, expected: str) -> TraceFileError:
+        if key not in event:
+            return self._bad(index, event, f"field {key!r} is missing")
+        got = type(event[key]).__name__
+        return self._bad(index, event, f"field {key!r} is {got}, expected {expected}")
+
+    def _metadata(self, event: dict) -> None:
+        if event.get("name") == "thread_name":
+            args = event.get("args")
+            label = args.get("name") if isinstance(args, dict) else None
+            if isinstance(label, str):
+                self.thread_labels[(event.get("pid"), event.get("tid"))] = label
+
+    def add(self, events: list[Any], first_index: int) -> None:  # noqa: C901 - hot loop
+        name_ids, classes, cat_ids, thread_ids = self.name_ids, self.classes, self.cat_ids, self.thread_ids
+        ts_a, dur_a, nid_a, cat_a = self.ts, self.dur, self.name_id, self.cat_id
+        tid_a, stream_a, corr_a = self.thread_id, self.stream, self.corr
+        for offset, e in enumerate(events):
+            if type(e) is not dict:
+                raise self._bad(first_index + offset, e, f"is a {type(e).__name__}, expected an object")
+            ph = e.get("ph")
+            if ph != "X":
+                if ph == "M":
+                    self._metadata(e)
+                elif not isinstance(ph, str):
+                    raise self._field_error(first_index + offset, e, "ph", "a string")
+                continue
+            name, ts, dur = e.get("name"), e.get("ts"), e.get("dur")
+            if type(name) is not str:
+                raise self._field_error(first_index + offset, e, "name", "a string")
+            if type(ts) not in _NUMBER:
+                raise self._field_error(first_index + offset, e, "ts", "a number")
+            if type(dur) not in _NUMBER:
+                raise self._field_error(first_index + offset, e, "dur", "a number")
+            if dur < 0:
+                raise self._bad(first_index + offset, e, f"field 'dur' is negative ({dur})")
+            key = (e.get("pid"), e.get("tid"))
+            try:
+                tid = thread_ids.get(key)
+            except TypeError:  # an unhashable pid/tid (list, dict)
+                tid = None
+            if tid is None:
+                tid = self._new_thread(first_index + offset, e, key)
+            nid = name_ids.get(name)
+            if nid is None:
+                nid = len(self.names)
+                name_ids[name] = nid
+                self.names.append(name)
+                classes.append(classify_name(name))
+            cat = e.get("cat")
+            cid = cat_ids.get(cat)
+            if cid is None:
+                cid = cat_ids[cat] = len(self.cats)
+                self.cats.append(cat if isinstance(cat, str) else "")
+            args = e.get("args")
+            stream, corr = -1, -1
+            if args is not None:
+                if type(args) is not dict:
+                    raise self._field_error(first_index + offset, e, "args", "an object")
+                s = args.get("stream")
+                if type(s) is int:
+                    stream = s
+                c = args.get("correlation")
+                if type(c) is int:
+                    corr = c
+                if classes[nid].reads_comm_args:
+                    self._comm_args(len(ts_a), args)
+            ts_a.append(ts)
+            dur_a.append(dur)
+            nid_a.append(nid)
+            cat_a.append(cid)
+            tid_a.append(tid)
+            stream_a.append(stream)
+            corr_a.append(corr)
+
+    def _new_thread(self, index: int, event: dict, key: tuple[Any, Any]) -> int:
+        for part, value in zip(("pid", "tid"), key):
+            if type(value) not in (int, str):
+                raise self._field_error(index, event, part, "an integer or a string")
+        tid = self.thread_ids[key] = len(self.threads)
+        self.threads.append(key)
+        return tid
+
+    def _comm_args(self, row: int, args: dict) -> None:
+        coll = args.get("Collective name")
+        if isinstance(coll, str) and coll:
+            self.comm_kind[row] = canonical_kind(coll)
+        pg = args.get("Process Group Name")
+        if isinstance(pg, (str, int)) and pg != "":
+            self.pg_name[row] = str(pg)
+
+    def finish(self, meta: dict[str, Any], rank: int | None) -> RankTrace:
+        ts = np.frombuffer(self.ts, dtype=np.float64) if len(self.ts) else np.empty(0)
+        dur = np.frombuffer(self.dur, dtype=np.float64) if len(self.dur) else np.empty(0)
+        origin = float(ts.min()) if ts.size else 0.0
+        start = ts - origin
+        thread_names = {
+            i: self.thread_labels[key] for i, key in enumerate(self.threads) if key in self.thread_labels
+        }
+        return RankTrace(
+            path=self.path,
+            rank=rank,
+            meta=meta,
+            origin_us=origin,
+            start_us=start,
+            end_us=start + dur,
+            name_id=np.frombuffer(self.name_id, dtype=np.int32).copy(),
+            cat_id=np.frombuffer(self.cat_id, dtype=np.int16).copy(),
+            thread_id=np.frombuffer(self.thread_id, dtype=np.int32).copy(),
+            stream=np.frombuffer(self.stream, dtype=np.int32).copy(),
+            correlation=np.frombuffer(self.corr, dtype=np.int64).copy(),
+            names=self.names,
+            name_classes=self.classes,
+            cats=self.cats,
+            threads=self.threads,
+            thread_names=thread_names,
+            comm_kind=self.comm_kind,
+            pg_name=self.pg_name,
+        )
+
+
+_RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
+
+
+def rank_from_file_name(path: str) -> int | None:
+    """``rank3.pt.trace.json`` / ``rank-3.json.gz`` -> 3; ``None`` when the name has no rank."""
+    m = _RANK_IN_NAME.search(os.path.basename(path))
+    return int(m.group(1)) if m else None
+
+
+def _rank_of(meta: dict[str, Any], path: str) -> int | None:
+    info = meta.get("distributedInfo")
+    if isinstance(info, dict) and type(info.get("rank")) is int:
+        return int(info["rank"])
+    return rank_from_file_name(path)
+
+
+def load_trace(path: str | os.PathLike[str], *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> RankTrace:
+    """Load one rank's trace file (``.json`` or ``.json.gz``) into a :class:`RankTrace`.
+
+    Raises :class:`~cpdpkit.profiler.errors.TraceFileError` (one line: path and problem).
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise TraceFileError(path, "is a folder, expected a trace file")
+    if not os.path.exists(path):
+        raise TraceFileError(path, "no such file")
+    cols = _Columns(path)
+    try:
+        meta = read_events(path, cols.add, chunk_bytes=chunk_bytes)
+    except StreamingNotPossible:
+        cols = _Columns(path)
+        meta = read_events_whole(path, cols.add)
+    meta.pop("traceEvents", None)
+    return cols.finish(meta, _rank_of(meta, path))
