@@ -1,0 +1,178 @@
+"""``cpdpkit plan``: plan FSDP2 sharding for a model on a topology and compare it with FSDP2's default.
+
+Rendering only: the numbers come from :mod:`cpdpkit.planner` (pure Python, no process group).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from itertools import groupby
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.table import Table
+
+from cpdpkit.cli.app import app, out_console
+from cpdpkit.errors import ConfigError
+from cpdpkit.planner import (
+    PlannerConfig,
+    ShardingPlan,
+    format_bytes,
+    fsdp2_default_plan,
+    parse_bytes,
+    plan_sharding,
+    planning_summary,
+)
+from cpdpkit.planner.planner import resolve_inputs
+
+__all__ = ["plan", "DEFAULT_BUDGET"]
+
+# One 80 GB accelerator (the cluster preset's A100 class); without a budget the fastest plan keeps
+# every layer unsharded after forward, which is rarely what anyone can run.
+DEFAULT_BUDGET = "80GiB"
+
+
+@app.command()
+def plan(
+    model: str = typer.Option(..., "--model", help="Preset (resnet50, vit-s, llama-7b, llama-70b) or package.module:factory."),
+    topology: str = typer.Option("cluster", "--topology", help="Topology preset (lan, wan, cluster) or a .toml path."),
+    world_size: int = typer.Option(..., "--world-size", help="Number of ranks."),
+    ranks_per_node: Optional[int] = typer.Option(None, "--ranks-per-node", help="Override the topology's node size."),
+    memory_budget: str = typer.Option(DEFAULT_BUDGET, "--memory-budget",
+                                      help="Per-rank budget for model states and FSDP2 buffers (not activations); 'none': no limit."),
+    param_dtype: str = typer.Option("bfloat16", "--param-dtype", help="Dtype of sharded parameters (and all-gathers)."),
+    grad_dtype: str = typer.Option("bfloat16", "--grad-dtype", help="Dtype of gradients (and reductions)."),
+    optim_bytes: int = typer.Option(12, "--optim-bytes-per-param", help="Optimizer state per parameter (Adam + fp32 master: 12)."),
+    shard_size: Optional[int] = typer.Option(None, "--shard-size", help="Fix the shard axis size (default: planner's choice)."),
+    state_sharding: bool = typer.Option(True, "--state-sharding/--no-state-sharding",
+                                        help="Allow optimizer-state sharding across replicas (FSDP2 alone cannot run it)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the plan and a summary to this JSON file."),
+) -> None:
+    """Plan units, mesh, placements and state sharding; show them beside FSDP2's default."""
+    if world_size < 1:
+        raise ConfigError(f"--world-size must be >= 1, got {world_size}: pass --world-size 64")
+    config = PlannerConfig(param_dtype=param_dtype, grad_dtype=grad_dtype, optim_state_bytes_per_param=optim_bytes,
+                           memory_budget_bytes=None if memory_budget.lower() == "none" else parse_bytes(memory_budget),
+                           shard_size=shard_size, allow_state_sharding=state_sharding)
+    spec, topo = resolve_inputs(model, topology, world_size, ranks_per_node)
+    start = time.perf_counter()
+    chosen = plan_sharding(spec, topo, config=config)
+    plan_s = time.perf_counter() - start
+    baseline = fsdp2_default_plan(spec, topo, config=config)
+    summary = planning_summary(chosen, baseline, plan_s)
+    _render(chosen, baseline, summary)
+    if json_out is not None:
+        try:
+            json_out.write_text(json.dumps({"plan": chosen.to_dict(), "summary": summary}, indent=1) + "\n")
+        except OSError as exc:
+            raise ConfigError(f"--json {str(json_out)!r} cannot be written ({exc.strerror}); check the path") from None
+        out_console.print(f"[dim]wrote {json_out}[/dim]")
+
+
+# ---- rendering -----------------------------------------------------------------------------------
+def _count(n: float) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def _placements(p: ShardingPlan, names: tuple[str, ...]) -> str:
+    dims = {x.fqn: x.dim for x in p.placements}
+    counts: dict[int, int] = {}
+    for fqn in names:
+        counts[dims[fqn]] = counts.get(dims[fqn], 0) + 1
+    return " ".join(f"Shard({d})x{c}" for d, c in sorted(counts.items())) or "-"
+
+
+def _units_table(p: ShardingPlan, baseline: ShardingPlan) -> Table:
+    table = Table(title=f"fully_shard units: {len(p.units)} (FSDP2 default: {len(baseline.units)})")
+    for col in ("units", "count", "modules", "params each", "padded each", "reshard_after_forward", "placements"):
+        table.add_column(col, justify="left" if col in ("units", "placements") else "right")
+    key = lambda u: (u.numel, u.padded_numel, len(u.module_fqns), u.reshard_after_forward, u.is_root)  # noqa: E731
+    for _, group in groupby(p.units, key=key):
+        members = list(group)
+        first, last = members[0], members[-1]
+        label = first.name if len(members) == 1 else f"{first.name} ... {last.name}"
+        table.add_row(label, str(len(members)), str(len(first.module_fqns)), _count(first.numel),
+                      _count(first.padded_numel), str(first.reshard_after_forward), _placements(p, first.param_fqns))
+    return table
+
+
+def _change(new: float, old: float) -> str:
+    if old == new:
+        return "="
+    if old == 0:
+        return "new"
+    return f"{(new - old) / old * 100:+.1f} %"
+
+
+def _compare_table(p: ShardingPlan, b: ShardingPlan, summary: dict[str, Any]) -> Table:
+    base = summary["baseline"]
+    table = Table(title="plan vs FSDP2 default (per rank, per step)")
+    for col in ("", "plan", "FSDP2 default", "change"):
+        table.add_column(col, justify="left" if not col else "right")
+
+    def row(label: str, new: float, old: float, fmt: Any = format_bytes) -> None:
+        table.add_row(label, fmt(new), fmt(old), _change(new, old))
+
+    table.add_row("strategy", p.strategy, b.strategy, "")
+    table.add_row("mesh", _mesh_label(p), _mesh_label(b), "")
+    row("units", len(p.units), len(b.units), str)
+    row("model states max", summary["max_rank_bytes"], base["max_rank_bytes"])
+    row("model states mean", summary["mean_rank_bytes"], base["mean_rank_bytes"])
+    row("model states min", summary["min_rank_bytes"], base["min_rank_bytes"])
+    row("model states padded", summary["padded_rank_bytes"], base["padded_rank_bytes"])
+    ratio = lambda s: s["max_rank_bytes"] / s["mean_rank_bytes"]  # noqa: E731
+    row("imbalance max/mean", ratio(summary), ratio(base), lambda v: f"{v:.4f}")
+    pct = lambda s: f"{s['padding_bytes'] / s['model_bytes'] * 100:.3f} %"  # noqa: E731
+    table.add_row("padding", f"{format_bytes(summary['padding_bytes'])} ({pct(summary)})",
+                  f"{format_bytes(base['padding_bytes'])} ({pct(base)})", _change(summary["padding_bytes"], base["padding_bytes"]))
+    for tier in p.topology.tier_names:
+        row(f"{tier} bytes sent", summary["tier_bytes_per_step"][tier], base["tier_bytes_per_step"][tier])
+        row(f"{tier} time", _tier_time(p, tier), _tier_time(b, tier), lambda v: f"{v:.4f} s")
+    row("predicted comm time", summary["predicted_comm_s_per_step"], base["predicted_comm_s_per_step"], lambda v: f"{v:.4f} s")
+    row("peak memory", summary["peak_memory_bytes"], base["peak_memory_bytes"])
+    if p.state_sharding.axis is not None:
+        row("peak memory, FSDP2 alone", summary["fsdp2_peak_memory_bytes"], base["peak_memory_bytes"])
+    budget = p.config.memory_budget_bytes
+    if budget is not None:
+        fits = lambda ok: "yes" if ok else "NO"  # noqa: E731
+        table.add_row(f"fits {format_bytes(budget)}", fits(summary["fits_budget"]), fits(base["fits_budget"]), "")
+    return table
+
+
+def _mesh_label(p: ShardingPlan) -> str:
+    m = p.mesh
+    if m.replicate_size == 1:
+        return f"shard {m.shard_size} ({m.shard_tier})"
+    return f"replicate {m.replicate_size} ({m.replicate_tier}) x shard {m.shard_size} ({m.shard_tier})"
+
+
+def _tier_time(p: ShardingPlan, tier: str) -> float:
+    return sum(c.time_s for c in p.comm if c.tier == tier)
+
+
+def _comm_table(p: ShardingPlan) -> Table:
+    table = Table(title="the plan's collectives per step (alpha-beta model of the topology)")
+    for col in ("phase", "op", "axis", "tier", "ranks", "collectives", "bytes sent", "time"):
+        table.add_column(col, justify="left" if col in ("phase", "op", "axis", "tier") else "right")
+    for c in p.comm:
+        table.add_row(c.name, c.op, c.axis, str(c.tier), str(c.num_ranks), str(c.num_collectives),
+                      format_bytes(c.wire_bytes_per_rank), f"{c.time_s:.4f} s")
+    return table
+
+
+def _render(p: ShardingPlan, baseline: ShardingPlan, summary: dict[str, Any]) -> None:
+    topo = p.topology
+    out_console.print(
+        f"[bold]{p.model_name}[/bold] ({_count(p.num_params)} params) on {p.world_size} ranks of "
+        f"[bold]{topo.name}[/bold] ({topo.num_sites} site(s) x {topo.nodes_per_site} node(s) x "
+        f"{topo.ranks_per_node} ranks): [bold]{p.strategy}[/bold], planned in {summary['plan_seconds'] * 1e3:.1f} ms")
+    out_console.print(_units_table(p, baseline))
+    out_console.print(_compare_table(p, baseline, summary))
+    out_console.print(_comm_table(p))
+    for note in p.notes:
+        out_console.print(f"[dim]note: {note}[/dim]", soft_wrap=True)

@@ -1,0 +1,59 @@
+"""Fine-grained sharding planner for FSDP2 (pure Python; no process group needed).
+
+:func:`plan_sharding` turns a model (``nn.Module`` on the meta device, a preset such as
+``llama-70b`` or ``package.module:factory``) and a :class:`~cpdpkit.topology.Topology` into a
+frozen, JSON-serialisable :class:`ShardingPlan`: ``fully_shard`` units, an HSDP/FSDP mesh,
+per-parameter ``Shard(dim)`` placements, optimizer-state sharding across the replicate axis,
+per-rank bytes and per-tier traffic priced with the topology's α-β model.
+:func:`~cpdpkit.planner.apply.apply_plan` (imports torch) applies a plan with FSDP2.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cpdpkit.planner.config import PlannerConfig, PlannerError, format_bytes, parse_bytes
+from cpdpkit.planner.model_spec import BlockSpec, ModelSpec, ParamSpec, load_model_spec
+from cpdpkit.planner.plan import (
+    CommPhase,
+    MeshPlan,
+    ParamPlacement,
+    RankBytes,
+    ShardingPlan,
+    StateSharding,
+    UnitPlan,
+)
+from cpdpkit.planner.planner import fsdp2_default_plan, plan_sharding, planning_summary
+from cpdpkit.planner.presets import MODEL_PRESETS, model_preset
+
+__all__ = [
+    "BlockSpec",
+    "CommPhase",
+    "MODEL_PRESETS",
+    "MeshPlan",
+    "ModelSpec",
+    "ParamPlacement",
+    "ParamSpec",
+    "PlannerConfig",
+    "PlannerError",
+    "RankBytes",
+    "ShardingPlan",
+    "StateSharding",
+    "UnitPlan",
+    "apply_plan",
+    "format_bytes",
+    "fsdp2_default_plan",
+    "load_model_spec",
+    "model_preset",
+    "parse_bytes",
+    "plan_sharding",
+    "planning_summary",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "apply_plan":  # imports torch.distributed; load on first use
+        from cpdpkit.planner.apply import apply_plan
+
+        return apply_plan
+    raise AttributeError(f"module 'cpdpkit.planner' has no attribute {name!r}")

@@ -1,0 +1,218 @@
+"""The planner's arithmetic: FSDP2 shard layouts, per-rank bytes and per-step traffic.
+
+Everything is computed per unique parameter shape (cached) and per *shard position* (the
+rank's index on the shard axis), never per rank × parameter, so 1,024 ranks cost little.
+Collective times come from :func:`cpdpkit.topology.alpha_beta_time_s` with the tier
+:meth:`cpdpkit.topology.Topology.tier_of` gives each group: exactly what
+:meth:`~cpdpkit.topology.Topology.collective_time_s` (and so the emulator) computes, with the
+group's tier looked up once instead of once per call.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from cpdpkit.planner.config import PlannerConfig, ceil_div
+from cpdpkit.planner.plan import CommPhase, RankBytes
+from cpdpkit.topology import Topology, alpha_beta_time_s
+
+__all__ = ["Layout", "shard_layout", "UnitGeom", "CostModel", "Candidate", "Evaluation"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one shape shards over ``S`` ranks: ``Shard(dim)``, padded numel, real numel by position."""
+
+    dim: int
+    padded_numel: int
+    real_by_position: np.ndarray  # int64, length S
+
+
+@lru_cache(maxsize=65536)
+def shard_layout(shape: tuple[int, ...], num_shards: int, *, balanced: bool) -> Layout:
+    """FSDP2's layout of ``shape`` on ``num_shards`` ranks.
+
+    ``balanced=False`` is FSDP2's default, ``Shard(0)``. ``balanced=True`` keeps dim 0 when it
+    divides evenly, else takes the first other dim that divides evenly (FSDP2 requires even
+    division for dim > 0), else falls back to padded ``Shard(0)``: zero padding whenever any
+    dim allows it.
+    """
+    dims = shape if shape else (1,)
+    numel = math.prod(dims)
+    dim = 0
+    if balanced and dims[0] % num_shards:
+        dim = next((k for k in range(1, len(dims)) if dims[k] and dims[k] % num_shards == 0), 0)
+    size = dims[dim]
+    chunk = ceil_div(size, num_shards)
+    rest = numel // size if size else 0
+    slices = np.clip(size - chunk * np.arange(num_shards, dtype=np.int64), 0, chunk)
+    return Layout(dim=dim, padded_numel=chunk * num_shards * rest, real_by_position=slices * rest)
+
+
+@dataclass(frozen=True)
+class UnitGeom:
+    """A unit's parameters laid out on the shard axis."""
+
+    padded_numel: int
+    numel: int
+    real_by_position: np.ndarray
+    reshard_after_forward: bool | int
+    is_root: bool
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the search: mesh, reshard policy and whether optimizer state is sharded."""
+
+    strategy: str
+    shard_size: int
+    reshard_after_forward: bool | int
+    state_sharded: bool
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    candidate: Candidate
+    rank_bytes: RankBytes
+    comm: tuple[CommPhase, ...]
+
+    @property
+    def time_s(self) -> float:
+        return sum(p.time_s for p in self.comm)
+
+
+class CostModel:
+    """α-β costs of groups of a placed topology, memoised per (op, bytes, group)."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+        self.world_size: int = topology.world_size  # type: ignore[assignment]
+        self._tiers: dict[tuple[int, int, int], tuple[str | None, float, float]] = {}
+        self._times: dict[tuple[str, int, tuple[int, int, int]], tuple[float, int]] = {}
+
+    def group_tier(self, group: tuple[int, int, int]) -> tuple[str | None, float, float]:
+        """(tier name, latency_s, bandwidth) of ``range(*group)``; group = (start, stop, step)."""
+        if group not in self._tiers:
+            tier = self.topology.tier_of(range(*group))
+            self._tiers[group] = (None, 0.0, 1.0) if tier is None else (
+                tier.name, tier.latency_s, tier.bandwidth_bytes_per_s)
+        return self._tiers[group]
+
+    def cost(self, op: str, num_bytes: int, group: tuple[int, int, int]) -> tuple[float, int]:
+        """(seconds, bytes one rank sends) of ``op`` on ``num_bytes`` over ``range(*group)``."""
+        key = (op, num_bytes, group)
+        if key not in self._times:
+            p = len(range(*group))
+            name, latency_s, bandwidth = self.group_tier(group)
+            if name is None or p < 2:
+                self._times[key] = (0.0, 0)
+            else:
+                algorithm, time_s = alpha_beta_time_s(op, num_bytes, p, latency_s, bandwidth)
+                frac = (p - 1) / p
+                factor = {"ring": 2 * frac if op == "all_reduce" else frac,
+                          "tree": 2 * math.ceil(math.log2(p))}.get(algorithm, frac)
+                self._times[key] = (time_s, int(round(factor * num_bytes)))
+        return self._times[key]
+
+
+def _phase(model: CostModel, name: str, op: str, axis: str, group: tuple[int, int, int],
+           sizes: list[int]) -> CommPhase | None:
+    if not sizes or len(range(*group)) < 2:
+        return None
+    time_s, wire = 0.0, 0
+    for n in sizes:
+        t, w = model.cost(op, n, group)
+        time_s += t
+        wire += w
+    tier, _, _ = model.group_tier(group)
+    return CommPhase(name=name, op=op, axis=axis, tier=tier, num_ranks=len(range(*group)),
+                     num_collectives=len(sizes), collective_bytes=sum(sizes), wire_bytes_per_rank=wire,
+                     time_s=time_s)
+
+
+def comm_phases(model: CostModel, units: list[UnitGeom], cand: Candidate,
+                config: PlannerConfig) -> tuple[CommPhase, ...]:
+    """Every collective of one training step under ``cand``, grouped into phases."""
+    s, w = cand.shard_size, model.world_size
+    pb, gb = config.param_bytes, config.grad_bytes
+    shard, replicate = (0, s, 1), (0, w, s)
+    phases = [
+        _phase(model, "forward all-gather", "all_gather", "shard", shard, [u.padded_numel * pb for u in units]),
+        _phase(model, "backward all-gather", "all_gather", "shard", shard,
+               [u.padded_numel * pb for u in units if u.reshard_after_forward is True]),
+    ]
+    for k in sorted({u.reshard_after_forward for u in units if _is_int(u.reshard_after_forward)}):
+        phases.append(_phase(model, f"backward all-gather (resharded on {k})", "all_gather", "shard", (0, k, 1),
+                             [u.padded_numel * pb for u in units if u.reshard_after_forward == k]))
+    phases.append(_phase(model, "gradient reduce-scatter", "reduce_scatter", "shard", shard,
+                         [u.padded_numel * gb for u in units]))
+    shard_chunks = [u.padded_numel // s for u in units]
+    if cand.state_sharded:
+        phases.append(_phase(model, "gradient reduce-scatter", "reduce_scatter", "replicate", replicate,
+                             [n * gb for n in shard_chunks]))
+        phases.append(_phase(model, "parameter all-gather", "all_gather", "replicate", replicate,
+                             [n * pb for n in shard_chunks]))
+    else:
+        phases.append(_phase(model, "gradient all-reduce", "all_reduce", "replicate", replicate,
+                             [n * gb for n in shard_chunks]))
+    return tuple(p for p in phases if p is not None)
+
+
+def _is_int(v: bool | int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _even_split(total: np.ndarray, parts: int) -> np.ndarray:
+    """Shape (parts, len(total)): ``total`` split into ``parts`` near-equal integers."""
+    base, extra = np.divmod(total, parts)
+    return base[None, :] + (np.arange(parts)[:, None] < extra[None, :])
+
+
+def rank_bytes(units: list[UnitGeom], cand: Candidate, world_size: int, config: PlannerConfig) -> RankBytes:
+    """Per-rank real bytes (rank r sits at shard position r % S, replica r // S) and peaks."""
+    s = cand.shard_size
+    replicas = world_size // s
+    pb, gb, ob = config.param_bytes, config.grad_bytes, config.optim_state_bytes_per_param
+    real = np.zeros(s, dtype=np.int64)
+    for u in units:
+        real += u.real_by_position
+    padded_shard = sum(u.padded_numel for u in units) // s
+    param = np.tile(real * pb, replicas)
+    grad = np.tile(real * gb, replicas)
+    full_optim = np.tile(real * ob, replicas)
+    if cand.state_sharded and replicas > 1:
+        optim = (_even_split(real, replicas) * ob).reshape(-1)  # row j = replica j: rank j*S + i
+    else:
+        optim = full_optim
+    buffers = _buffer_bytes(units, pb, gb)
+    states = (pb + gb) * padded_shard
+    return RankBytes(param_bytes=tuple(param.tolist()), grad_bytes=tuple(grad.tolist()),
+                     optim_bytes=tuple(optim.tolist()), padded_param_bytes=pb * padded_shard,
+                     padded_grad_bytes=gb * padded_shard, buffer_bytes=buffers,
+                     peak_bytes=states + int(optim.max()) + buffers,
+                     fsdp2_peak_bytes=states + int(full_optim.max()) + buffers)
+
+
+def _buffer_bytes(units: list[UnitGeom], pb: int, gb: int) -> int:
+    """Unsharded parameters and gradients FSDP2 holds at its peak (backward of the largest unit)."""
+    blocks = [u for u in units if not u.is_root]
+    largest = max((u.padded_numel for u in blocks), default=0)
+    root = sum(u.padded_numel for u in units if u.is_root)
+    kept = 0
+    for u in blocks:
+        if u.reshard_after_forward is False:
+            kept += u.padded_numel
+        elif _is_int(u.reshard_after_forward):
+            kept += ceil_div(u.padded_numel, int(u.reshard_after_forward))
+    # current + prefetched unit (params), the current unit's unsharded grads and the
+    # reduce-scatter input, the root (kept through forward and backward), kept units
+    return pb * (2 * largest + root + kept) + gb * 2 * largest
+
+
+def evaluate(model: CostModel, units: list[UnitGeom], cand: Candidate, config: PlannerConfig) -> Evaluation:
+    return Evaluation(candidate=cand, rank_bytes=rank_bytes(units, cand, model.world_size, config),
+                      comm=comm_phases(model, units, cand, config))

@@ -1,0 +1,342 @@
+"""The immutable result of planning: :class:`ShardingPlan` and its parts, all JSON round-trippable.
+
+Byte counts follow FSDP2's layout. A parameter sharded on ``dim`` over ``S`` ranks is split into
+``S`` chunks of ``ceil(size[dim] / S)`` slices; rank ``i`` of the shard axis owns chunk ``i``
+(*real* bytes, possibly fewer or none) and stores and sends the chunk padded to full size
+(*padded* bytes). Optimizer state covers real elements only (FSDP2 hands the optimizer the
+unpadded local view), split further across the replicate axis when the plan shards state.
+
+Traffic is counted per rank: ``wire_bytes_per_rank`` is what one rank sends in one step for a
+phase under the α-β model's algorithm (a ring all-gather of ``n`` output bytes over ``p`` ranks
+sends ``(p-1)/p·n``); a collective's whole traffic is charged to its group's slowest tier.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from cpdpkit.planner.config import PlannerConfig
+from cpdpkit.topology import Topology
+
+__all__ = [
+    "ParamPlacement",
+    "UnitPlan",
+    "MeshPlan",
+    "StateSharding",
+    "RankBytes",
+    "CommPhase",
+    "ShardingPlan",
+    "PLAN_FORMAT_VERSION",
+]
+
+PLAN_FORMAT_VERSION = 1
+
+
+def _plain(obj: Any) -> dict[str, Any]:
+    out = {}
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        out[f.name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamPlacement:
+    """``Shard(dim)`` of one parameter on the shard axis; ``padded_numel`` = S × padded chunk."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    dim: int
+    padded_numel: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(self.shape))
+
+    @property
+    def padding_numel(self) -> int:
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        return self.padded_numel - numel
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ParamPlacement:
+        return cls(**{**data, "shape": tuple(data["shape"])})
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnitPlan:
+    """One ``fully_shard`` call: its modules (``""`` = the root), parameters and reshard policy."""
+
+    name: str
+    module_fqns: tuple[str, ...]
+    param_fqns: tuple[str, ...]
+    numel: int
+    padded_numel: int
+    reshard_after_forward: bool | int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "module_fqns", tuple(self.module_fqns))
+        object.__setattr__(self, "param_fqns", tuple(self.param_fqns))
+
+    @property
+    def is_root(self) -> bool:
+        return self.module_fqns == ("",)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> UnitPlan:
+        return cls(**{**data, "module_fqns": tuple(data["module_fqns"]), "param_fqns": tuple(data["param_fqns"])})
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeshPlan:
+    """The data-parallel mesh: ``(replicate, shard)`` for HSDP, ``(shard,)`` for plain FSDP.
+
+    Shard groups are ``shard_size`` consecutive ranks (a node, a site or the world); replicate
+    groups take every ``shard_size``-th rank. Tiers are the groups' slowest links.
+    """
+
+    shape: tuple[int, ...]
+    dim_names: tuple[str, ...]
+    shard_size: int
+    replicate_size: int
+    shard_tier: str | None
+    replicate_tier: str | None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(self.shape))
+        object.__setattr__(self, "dim_names", tuple(self.dim_names))
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> MeshPlan:
+        return cls(**{**data, "shape": tuple(data["shape"]), "dim_names": tuple(data["dim_names"])})
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateSharding:
+    """Fine-grained optimizer-state sharding across the replicate axis.
+
+    With ``axis="replicate"`` each rank keeps ``1/num_partitions`` of the optimizer state of its
+    shard (an even split of the real elements, within one element per unit); the step becomes
+    reduce-scatter of gradients across the replicate axis, a partial optimizer step, and an
+    all-gather of the updated parameters across the replicate axis. FSDP2 itself cannot do this
+    (its HSDP all-reduces gradients and steps the whole shard on every replica), so
+    ``executed_by_fsdp2`` is False and :func:`~cpdpkit.planner.apply.apply_plan` applies HSDP only.
+    """
+
+    axis: str | None
+    num_partitions: int
+    executed_by_fsdp2: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> StateSharding:
+        return cls(**data)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankBytes:
+    """Per-rank model-state bytes (index = global rank) and peak-memory estimates.
+
+    ``*_bytes`` tuples are real bytes; ``padded_*_bytes`` what every rank allocates.
+    ``buffer_bytes`` covers FSDP2's unsharded parameters and gradients (the current unit and one
+    prefetched, the root, and units kept after forward). Activations are not modeled.
+    ``fsdp2_peak_bytes`` is the peak when only FSDP2 executes the plan (no state sharding).
+    """
+
+    param_bytes: tuple[int, ...]
+    grad_bytes: tuple[int, ...]
+    optim_bytes: tuple[int, ...]
+    padded_param_bytes: int
+    padded_grad_bytes: int
+    buffer_bytes: int
+    peak_bytes: int
+    fsdp2_peak_bytes: int
+
+    def __post_init__(self) -> None:
+        for name in ("param_bytes", "grad_bytes", "optim_bytes"):
+            object.__setattr__(self, name, tuple(int(v) for v in getattr(self, name)))
+
+    @property
+    def total_bytes(self) -> tuple[int, ...]:
+        """Real parameter + gradient + optimizer bytes of each rank."""
+        return tuple(p + g + o for p, g, o in zip(self.param_bytes, self.grad_bytes, self.optim_bytes))
+
+    @property
+    def padded_total_bytes(self) -> tuple[int, ...]:
+        return tuple(self.padded_param_bytes + self.padded_grad_bytes + o for o in self.optim_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RankBytes:
+        return cls(**data)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommPhase:
+    """One kind of collective issued every step (summed over units)."""
+
+    name: str
+    op: str
+    axis: str
+    tier: str | None
+    num_ranks: int
+    num_collectives: int
+    collective_bytes: int
+    wire_bytes_per_rank: int
+    time_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CommPhase:
+        return cls(**data)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardingPlan:
+    """A frozen sharding plan for one model on one placed topology.
+
+    ``all_gather_order`` lists ``(unit, phase)`` in issue order: forward (root first), then
+    backward in reverse for units resharded after forward.
+
+    ``schedule`` is reserved for the two-stage all-gather schedule of a later issue: which
+    replicate-axis parameter all-gathers (of state-sharded units) run during which backward
+    unit, so that the exchange of updated parameters overlaps backward compute. It stays
+    ``None`` until that issue fills it; nothing here reads it.
+    """
+
+    model_name: str
+    strategy: str
+    world_size: int
+    topology: Topology
+    config: PlannerConfig
+    mesh: MeshPlan
+    units: tuple[UnitPlan, ...]
+    placements: tuple[ParamPlacement, ...]
+    state_sharding: StateSharding
+    rank_bytes: RankBytes
+    comm: tuple[CommPhase, ...]
+    all_gather_order: tuple[tuple[str, str], ...]
+    notes: tuple[str, ...] = ()
+    schedule: None = None
+
+    def __post_init__(self) -> None:
+        for name in ("units", "placements", "comm", "notes"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        object.__setattr__(self, "all_gather_order", tuple(tuple(x) for x in self.all_gather_order))
+
+    # ---- summaries -------------------------------------------------------------------------
+    @property
+    def num_params(self) -> int:
+        return sum(u.numel for u in self.units)
+
+    @property
+    def model_bytes(self) -> int:
+        """Parameter bytes of one full copy of the model in ``config.param_dtype``."""
+        return self.num_params * self.config.param_bytes
+
+    @property
+    def padding_bytes(self) -> int:
+        """Padding of one sharded copy of the parameters (``param_dtype`` bytes)."""
+        return sum(u.padded_numel - u.numel for u in self.units) * self.config.param_bytes
+
+    @property
+    def tier_bytes_per_step(self) -> dict[str, int]:
+        out = {name: 0 for name in self.topology.tier_names}
+        for phase in self.comm:
+            if phase.tier is not None:
+                out[phase.tier] += phase.wire_bytes_per_rank
+        return out
+
+    @property
+    def predicted_comm_s_per_step(self) -> float:
+        """Sum of the modeled times of every collective of a step (no overlap assumed)."""
+        return sum(p.time_s for p in self.comm)
+
+    def summary(self) -> dict[str, Any]:
+        totals = self.rank_bytes.total_bytes
+        return {
+            "world_size": self.world_size,
+            "strategy": self.strategy,
+            "num_units": len(self.units),
+            "max_rank_bytes": max(totals),
+            "mean_rank_bytes": sum(totals) / len(totals),
+            "min_rank_bytes": min(totals),
+            "padded_rank_bytes": max(self.rank_bytes.padded_total_bytes),
+            "peak_memory_bytes": self.rank_bytes.peak_bytes,
+            "padding_bytes": self.padding_bytes,
+            "model_bytes": self.model_bytes,
+            "tier_bytes_per_step": self.tier_bytes_per_step,
+            "predicted_comm_s_per_step": self.predicted_comm_s_per_step,
+        }
+
+    # ---- JSON ------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format_version": PLAN_FORMAT_VERSION,
+            "model_name": self.model_name,
+            "strategy": self.strategy,
+            "world_size": self.world_size,
+            "topology": self.topology.to_dict(),
+            "config": self.config.to_dict(),
+            "mesh": self.mesh.to_dict(),
+            "units": [u.to_dict() for u in self.units],
+            "placements": [p.to_dict() for p in self.placements],
+            "state_sharding": self.state_sharding.to_dict(),
+            "rank_bytes": self.rank_bytes.to_dict(),
+            "comm": [c.to_dict() for c in self.comm],
+            "all_gather_order": [list(x) for x in self.all_gather_order],
+            "notes": list(self.notes),
+            "schedule": self.schedule,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ShardingPlan:
+        from cpdpkit.planner.config import PlannerError
+
+        version = data.get("format_version")
+        if version != PLAN_FORMAT_VERSION:
+            raise PlannerError(f"plan format_version = {version!r} is not supported; re-run cpdpkit plan "
+                               f"(this cpdpkit reads version {PLAN_FORMAT_VERSION})")
+        return cls(
+            model_name=data["model_name"], strategy=data["strategy"], world_size=data["world_size"],
+            topology=Topology.from_dict(data["topology"]), config=PlannerConfig.from_dict(data["config"]),
+            mesh=MeshPlan.from_dict(data["mesh"]), units=tuple(UnitPlan.from_dict(u) for u in data["units"]),
+            placements=tuple(ParamPlacement.from_dict(p) for p in data["placements"]),
+            state_sharding=StateSharding.from_dict(data["state_sharding"]),
+            rank_bytes=RankBytes.from_dict(data["rank_bytes"]),
+            comm=tuple(CommPhase.from_dict(c) for c in data["comm"]),
+            all_gather_order=tuple(tuple(x) for x in data["all_gather_order"]),
+            notes=tuple(data.get("notes", ())), schedule=data.get("schedule"),
+        )
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    @classmethod
+    def from_json(cls, text: str) -> ShardingPlan:
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def load(cls, path: str | Path) -> ShardingPlan:
+        """A plan from a ``--json`` file of ``cpdpkit plan`` (its ``"plan"`` key) or a bare plan."""
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        return cls.from_dict(data.get("plan", data))

@@ -1,0 +1,65 @@
+"""``cpdpkit plan`` end to end through typer's CliRunner."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from cpdpkit.cli import app
+from cpdpkit.planner import ShardingPlan
+
+pytestmark = pytest.mark.timeout(60)
+
+SUMMARY_KEYS = {"world_size", "plan_seconds", "max_rank_bytes", "mean_rank_bytes", "padding_bytes", "model_bytes",
+                "tier_bytes_per_step", "predicted_comm_s_per_step", "baseline"}
+
+
+def test_plan_llama70b_tables_and_json(tmp_path):
+    out = tmp_path / "plan.json"
+    result = CliRunner().invoke(app, ["plan", "--model", "llama-70b", "--topology", "cluster", "--world-size", "64",
+                                      "--memory-budget", "80GiB", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    for text in ("hsdp-node+state", "fully_shard units: 81 (FSDP2 default: 81)", "plan vs FSDP2 default",
+                 "layers.0 ... layers.79", "NVLINK bytes sent", "IB time", "predicted comm time", "fits 80.00 GiB",
+                 "FSDP2 cannot execute that"):
+        assert text in result.output, text
+    data = json.loads(out.read_text())
+    summary = data["summary"]
+    assert SUMMARY_KEYS <= set(summary)
+    assert SUMMARY_KEYS - {"plan_seconds", "baseline"} <= set(summary["baseline"])
+    assert summary["world_size"] == 64 and summary["plan_seconds"] < 30
+    assert set(summary["tier_bytes_per_step"]) == {"NVLINK", "IB"}
+    assert summary["max_rank_bytes"] < summary["baseline"]["max_rank_bytes"]
+    plan = ShardingPlan.load(out)
+    assert plan.to_dict() == data["plan"] and plan.mesh.shape == (8, 8)
+
+
+def test_plan_vit_shows_balance_gain_over_fsdp2():
+    result = CliRunner().invoke(app, ["plan", "--model", "vit-s", "--world-size", "16", "--no-state-sharding"])
+    assert result.exit_code == 0, result.output
+    assert "Shard(2)x2" in result.output  # cls_token and pos_embed shard on their hidden dim
+    assert "imbalance max/mean" in result.output
+
+
+def test_plan_module_factory():
+    result = CliRunner().invoke(app, ["plan", "--model", "_planner_jobs:make_net", "--topology", "lan",
+                                      "--world-size", "4", "--param-dtype", "fp32", "--grad-dtype", "fp32"])
+    assert result.exit_code == 0, result.output
+    assert "_planner_jobs:make_net" in result.output
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--model", "gpt-9", "--world-size", "8"], "error: unknown model preset 'gpt-9'"),
+    (["--model", "llama-7b", "--world-size", "60", "--ranks-per-node", "8"],
+     "error: topology 'cluster' needs a world size divisible by 8"),
+    (["--model", "llama-70b", "--world-size", "64", "--memory-budget", "10GiB"],
+     "error: memory budget 10.00 GiB per rank is too small for llama-70b on 64 ranks"),
+    (["--model", "llama-7b", "--world-size", "8", "--memory-budget", "lots"], "error: size 'lots' is not understood"),
+])
+def test_plan_errors_are_one_line_and_exit_2(args, message):
+    result = CliRunner().invoke(app, ["plan", *args])
+    assert result.exit_code == 2
+    assert message in result.output
+    assert "Traceback" not in result.output
