@@ -4,6 +4,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
+BENCH_STAMP := $(VENV)/.installed-bench
+
 .PHONY: setup run test bench clean
 
 setup: $(STAMP)
@@ -17,13 +19,19 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[tools,dev]'
 	touch $(STAMP)
 
+# Holistic Trace Analysis (the profiler benchmark's peer) only for `make bench`.
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[bench]'
+	touch $(BENCH_STAMP)
+
 run: setup
-	$(VENV)/bin/cpdpkit demo --nproc 2 --strategy cpdp --period 4
+	mkdir -p runs
+	$(VENV)/bin/cpdpkit bench --json runs/bench.json --plot runs/bench.png
 
 test: setup
 	$(PY) -m pytest -q
 
-bench: setup
+bench: $(BENCH_STAMP)
 	$(PY) benchmarks/run_all.py
 
 clean:

@@ -195,3 +195,25 @@ def stats_and_buckets(rank: int, world: int) -> dict:
 
 def as_dict(w: Workload) -> dict:
     return dataclasses.asdict(w)
+
+
+def profiled_labels(rank: int, world: int) -> dict:
+    """Profile a few cpdp steps: which cpdpkit::sync labels appear, and where bucket launches
+    happen relative to backward (they must start inside it: overlap, as DDP)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
+    opt = PeriodicSyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model=model,
+                                strategy="cpdp", period=2, bucket_cap_mb=0.3)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(4):
+            opt.zero_grad()
+            loss = model(torch.randn(8, 256)).sum()
+            with record_function("test::backward"):
+                loss.backward()
+            opt.step()
+    events = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()]
+    return {"names": sorted({n for n, _, _ in events if n.startswith("cpdpkit::")}),
+            "backward": [(s, e) for n, s, e in events if n == "test::backward"],
+            "launches": [(s, e) for n, s, e in events if n == "cpdpkit::sync::grad_allreduce"]}

@@ -175,3 +175,13 @@ def test_collectives_are_coalesced_into_buckets():
     collectives, nbytes = by_step[4]
     assert nbytes == 2 * param_bytes
     assert collectives <= 2 * (param_bytes // (1024 * 1024) + 2), collectives
+
+
+def test_phases_are_labelled_and_gradient_buckets_launch_during_backward():
+    res = run_ranks(sc.profiled_labels, 2)[0]
+    assert {"cpdpkit::sync::grad_allreduce", "cpdpkit::sync::grad_wait",
+            "cpdpkit::sync::param_average", "cpdpkit::sync::slowmo_update"} <= set(res["names"])
+    # 4 layers of ~257 KB in 0.3 MB buckets: 4 launches on each of the 2 reconciliations
+    assert len(res["launches"]) == 8
+    inside = [any(bs <= s and e <= be for bs, be in res["backward"]) for s, e in res["launches"]]
+    assert all(inside), "every bucket all-reduce must be launched from backward hooks"

@@ -1,0 +1,149 @@
+"""Data sets for ``cpdpkit bench``: bundled digits, generated synthetic data, CIFAR-100 on disk.
+
+Nothing is downloaded. ``digits`` is scikit-learn's bundled 8x8 handwritten digits;
+``synthetic`` is generated from a seed; ``cifar100`` reads a copy already on disk in either
+official layout: ``cifar-100-python/{train,test}`` (pickled dicts, read with an unpickler that
+admits only numpy arrays and builtins) or ``cifar-100-binary/{train,test}.bin`` (fixed-size
+records: coarse label, fine label, 3072 pixel bytes).
+
+The train/test split is fixed (it never depends on the run's seed), so every strategy and
+every seed sees the same held-out set.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from cpdpkit.errors import ConfigError
+
+__all__ = ["DATASETS", "Dataset", "load_dataset", "find_cifar100"]
+
+DATASETS = ("digits", "synthetic", "cifar100")
+_CIFAR_MEAN = np.array([0.5071, 0.4865, 0.4409], dtype=np.float32)
+_CIFAR_STD = np.array([0.2673, 0.2564, 0.2762], dtype=np.float32)
+_CIFAR_RECORD = 2 + 3072
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """Tensors of one data set, images as (N, C, H, W) float32 and labels as int64."""
+
+    name: str
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    num_classes: int
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.x_train.shape[1:])
+
+
+def _split(name: str, x: torch.Tensor, y: torch.Tensor, num_classes: int) -> Dataset:
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(12345))
+    x, y = x[perm], y[perm]
+    cut = int(0.8 * len(x))
+    return Dataset(name, x[:cut], y[:cut], x[cut:], y[cut:], num_classes)
+
+
+def _digits() -> Dataset:
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    x = (x - 0.3) / 0.4
+    return _split("digits", x, torch.tensor(data.target, dtype=torch.int64), 10)
+
+
+def _synthetic(quick: bool) -> Dataset:
+    """Ten Gaussian clusters around random 1x12x12 prototypes (learnable, not trivial)."""
+    g = torch.Generator().manual_seed(2024)
+    num = 1000 if quick else 4000
+    prototypes = torch.randn(10, 1, 12, 12, generator=g)
+    y = torch.randint(0, 10, (num,), generator=g)
+    x = prototypes[y] + 1.5 * torch.randn(num, 1, 12, 12, generator=g)
+    return _split("synthetic", x, y, 10)
+
+
+class _ArrayUnpickler(pickle.Unpickler):
+    """Admits only what CIFAR's pickles hold: builtins and numpy arrays."""
+
+    _ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy", "ndarray"), ("numpy", "dtype"), ("builtins", "dict"), ("builtins", "list"),
+        ("_codecs", "encode"),  # how protocol-2 pickles spell bytes objects
+    }
+
+    def find_class(self, module: str, name: str):  # noqa: ANN201
+        if (module, name) not in self._ALLOWED:
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a CIFAR-100 file")
+        return super().find_class(module, name)
+
+
+def find_cifar100(data_dir: str | Path) -> tuple[str, Path]:
+    """``(layout, folder)`` of a CIFAR-100 copy under ``data_dir``, or a ConfigError."""
+    root = Path(data_dir)
+    for folder in (root, root / "cifar-100-python", root / "cifar-100-binary"):
+        if (folder / "train").is_file() and (folder / "test").is_file():
+            return "python", folder
+        if (folder / "train.bin").is_file() and (folder / "test.bin").is_file():
+            return "binary", folder
+    raise ConfigError(
+        f"--data-dir {str(data_dir)!r} holds no CIFAR-100 (looked for cifar-100-python/train and "
+        "cifar-100-binary/train.bin): extract cifar-100-python.tar.gz or cifar-100-binary.tar.gz there"
+    )
+
+
+def _read_python(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    try:
+        with path.open("rb") as fh:
+            entry = _ArrayUnpickler(io.BytesIO(fh.read()), encoding="bytes").load()
+        data, labels = entry[b"data"], entry[b"fine_labels"]
+    except (pickle.UnpicklingError, KeyError, EOFError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{path} is not a CIFAR-100 python file ({exc}): re-extract it") from None
+    return np.asarray(data, dtype=np.uint8).reshape(-1, 3, 32, 32), np.asarray(labels, dtype=np.int64)
+
+
+def _read_binary(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    raw = np.fromfile(path, dtype=np.uint8)
+    if raw.size == 0 or raw.size % _CIFAR_RECORD:
+        raise ConfigError(
+            f"{path} has {raw.size} bytes, not a multiple of CIFAR-100's {_CIFAR_RECORD}-byte "
+            "records: re-extract it"
+        )
+    records = raw.reshape(-1, _CIFAR_RECORD)
+    return records[:, 2:].reshape(-1, 3, 32, 32), records[:, 1].astype(np.int64)
+
+
+def _cifar100(data_dir: str | Path, quick: bool) -> Dataset:
+    layout, folder = find_cifar100(data_dir)
+    read = _read_python if layout == "python" else _read_binary
+    sets = []
+    for split in ("train", "test"):
+        images, labels = read(folder / (split if layout == "python" else f"{split}.bin"))
+        if quick:
+            images, labels = images[:2000], labels[:2000]
+        x = (images.astype(np.float32) / 255.0 - _CIFAR_MEAN[:, None, None]) / _CIFAR_STD[:, None, None]
+        sets.append((torch.from_numpy(x), torch.from_numpy(labels)))
+    (xtr, ytr), (xte, yte) = sets
+    return Dataset("cifar100", xtr, ytr, xte, yte, 100)
+
+
+def load_dataset(name: str, *, data_dir: str | Path | None = None, quick: bool = False) -> Dataset:
+    """Load data set ``name`` (see module docstring)."""
+    if name == "digits":
+        return _digits()
+    if name == "synthetic":
+        return _synthetic(quick)
+    if name == "cifar100":
+        if data_dir is None:
+            raise ConfigError("--dataset cifar100 needs --data-dir: the folder holding cifar-100-python/")
+        return _cifar100(data_dir, quick)
+    raise ConfigError(f"unknown dataset {name!r}: choose one of {', '.join(DATASETS)}")

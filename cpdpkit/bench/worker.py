@@ -1,0 +1,152 @@
+"""One rank of one ``cpdpkit bench`` run (launched by torchrun through :mod:`cpdpkit.launch`).
+
+    python -m cpdpkit.bench.worker RUN_DIR
+
+reads ``RUN_DIR/spec.json`` (a :class:`~cpdpkit.bench.config.RunSpec`), trains, and rank 0
+writes ``RUN_DIR/result.json`` and appends one line per epoch to ``RUN_DIR/progress.jsonl``.
+
+Only training steps count towards the strategy's wall clock. Evaluation (of the average of the
+ranks' parameters, so periodic strategies are judged on one model without disturbing their
+training), data loading and start-up are harness time, reported separately.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cpdpkit.bench.config import RunSpec
+from cpdpkit.bench.data import Dataset, load_dataset
+from cpdpkit.bench.models import build_model
+from cpdpkit.bench.strategies import StrategyRunner, build_strategy
+
+__all__ = ["main", "RESULT_FILE", "PROGRESS_FILE", "SPEC_FILE"]
+
+SPEC_FILE, RESULT_FILE, PROGRESS_FILE = "spec.json", "result.json", "progress.jsonl"
+_DIVERGED_LOSS = 1e4
+
+
+@torch.no_grad()
+def _average_model_accuracy(module: nn.Module, data: Dataset, world: int) -> float:
+    """Test accuracy of the mean of all ranks' parameters (a copy; training is untouched)."""
+    params = [p.detach() for p in module.parameters()]
+    flat = torch.cat([p.reshape(-1) for p in params]) / world
+    dist.all_reduce(flat)
+    state = {k: v.clone() for k, v in module.state_dict().items()}
+    offset = 0
+    for name, p in module.named_parameters():
+        state[name] = flat[offset : offset + p.numel()].view_as(p)
+        offset += p.numel()
+    evaluator = copy.deepcopy(module)
+    evaluator.load_state_dict(state)
+    evaluator.eval()
+    correct = 0
+    for i in range(0, len(data.x_test), 512):
+        logits = evaluator(data.x_test[i : i + 512])
+        correct += int((logits.argmax(1) == data.y_test[i : i + 512]).sum())
+    return correct / len(data.x_test)
+
+
+def _epoch_batches(spec: RunSpec, data: Dataset, epoch: int, rank: int, world: int):
+    """This rank's batches: one global shuffle per (seed, epoch), dealt round-robin."""
+    g = torch.Generator().manual_seed(1_000_003 * spec.seed + epoch)
+    order = torch.randperm(len(data.x_train), generator=g)
+    per_step = spec.batch_size * world
+    for start in range(0, len(order) - per_step + 1, per_step):
+        idx = order[start + rank * spec.batch_size : start + (rank + 1) * spec.batch_size]
+        yield data.x_train[idx], data.y_train[idx]
+
+
+def _train(spec: RunSpec, runner: StrategyRunner, data: Dataset, run_dir: Path,
+           rank: int, world: int, prof) -> dict:
+    curve, train_s, harness_s, steps, status, reason, loss = [], 0.0, 0.0, 0, "ok", None, math.nan
+    for epoch in range(spec.epochs):
+        dist.barrier()
+        start = time.perf_counter()
+        for x, y in _epoch_batches(spec, data, epoch, rank, world):
+            loss = runner.train_step(x, y)
+            steps += 1
+            if prof is not None:
+                prof.step()
+        train_s += time.perf_counter() - start
+        h0 = time.perf_counter()
+        bad = torch.tensor([0.0 if math.isfinite(loss) and abs(loss) < _DIVERGED_LOSS else 1.0])
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bad.item() > 0:
+            status, reason = "diverged", f"training loss became {loss:.4g} in epoch {epoch + 1}"
+            break
+        wall = torch.tensor([train_s])
+        dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+        acc = _average_model_accuracy(runner.module, data, world)
+        curve.append({"epoch": epoch + 1, "wall_s": float(wall), "test_acc": acc, "loss": loss})
+        if rank == 0:
+            with (run_dir / PROGRESS_FILE).open("a") as fh:
+                fh.write(json.dumps({"epoch": epoch + 1, "epochs": spec.epochs, "test_acc": acc}) + "\n")
+        harness_s += time.perf_counter() - h0
+    return {"curve": curve, "train_s": train_s, "harness_s": harness_s, "steps": steps,
+            "status": status, "reason": reason, "final_loss": loss}
+
+
+def _profiled(spec: RunSpec, rank: int):
+    import contextlib
+
+    if spec.profile_dir is None:
+        return contextlib.nullcontext(None)
+    from cpdpkit.tracing import default_schedule, trace_rank
+
+    name = spec.strategy if spec.period is None else f"{spec.strategy}-k{spec.period}"
+    folder = Path(spec.profile_dir) / (name if spec.seed == 0 else f"{name}-seed{spec.seed}")
+    info = {"strategy": spec.strategy, "period": spec.period, "seed": spec.seed}
+    return trace_rank(folder, schedule=default_schedule(wait=2, warmup=2, active=8), run_info=info)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from cpdpkit.emulator import init_distributed
+
+    argv = sys.argv[1:] if argv is None else argv
+    run_dir = Path(argv[0])
+    spec = RunSpec.from_dict(json.loads((run_dir / SPEC_FILE).read_text()))
+    t0 = time.perf_counter()
+    torch.set_num_threads(1)
+    info = init_distributed()
+    rank, world = info.rank, info.world_size
+    data = load_dataset(spec.dataset, data_dir=spec.data_dir, quick=spec.quick)
+    torch.manual_seed(spec.seed)
+    module = build_model(spec.model, data.input_shape, data.num_classes)
+    runner = build_strategy(spec.strategy, spec.period, module, lr=spec.lr,
+                            momentum=spec.momentum, slowmo_momentum=spec.slowmo_momentum)
+    setup_s = time.perf_counter() - t0
+    with _profiled(spec, rank) as prof:
+        out = _train(spec, runner, data, run_dir, rank, world, prof)
+    meter = torch.tensor([runner.finish().exposed_s])
+    dist.all_reduce(meter, op=dist.ReduceOp.MAX)
+    m = runner.finish()
+    steps = max(out["steps"], 1)
+    wall = max((p["wall_s"] for p in out["curve"]), default=out["train_s"])
+    result = {
+        "spec": spec.to_dict(), "status": out["status"], "reason": out["reason"],
+        "world_size": world, "topology": info.topology.name if info.topology else None,
+        "peak_test_acc": max((p["test_acc"] for p in out["curve"]), default=math.nan),
+        "final_test_acc": out["curve"][-1]["test_acc"] if out["curve"] else math.nan,
+        "wall_s": wall, "step_s": wall / steps, "steps": out["steps"],
+        "exposed_sync_s_per_step": float(meter) / steps,
+        "collectives_per_step": m.collectives / steps, "bytes_per_step": m.bytes_sent / steps,
+        "final_loss": out["final_loss"], "curve": out["curve"],
+        "harness_s": {"setup": setup_s, "eval_and_checks": out["harness_s"]},
+    }
+    if rank == 0:
+        (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,5 @@
+"""``python -m cpdpkit.cli`` is the ``cpdpkit`` command."""
+
+from cpdpkit.cli import main
+
+main()
