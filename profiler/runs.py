@@ -114,8 +114,13 @@ def analyze_run(run_path: str, files: Sequence[str], *, name: str | None = None)
     ranks.sort(key=lambda r: (r.rank, r.path))
     strategy = info.get("strategy") if isinstance(info.get("strategy"), str) else None
     default_name = os.path.basename(os.path.normpath(run_path))
+    label = strategy
+    period = info.get("period")
+    periodic = strategy is not None and strategy.lower() != "ddp"  # ddp has no period
+    if periodic and isinstance(period, int) and not isinstance(period, bool):
+        label = f"{strategy} K={period}"  # the same strategy at several K stays apart
     report = RunReport(
-        name=name or strategy or default_name,
+        name=name or label or default_name,
         path=run_path,
         strategy=strategy,
         run_info=info,
@@ -128,7 +133,9 @@ def analyze_run(run_path: str, files: Sequence[str], *, name: str | None = None)
 def analyze(paths: Iterable[str | os.PathLike[str]]) -> OverlapReport:
     """Analyse run folders, trace files, or folders of run folders into one report.
 
-    Run names are the ``strategy`` from ``run.json``, else the folder name; a repeated
+    Run names are the ``strategy`` from ``run.json`` (with ``K=<period>`` when it names one,
+    except for ddp),
+    else the folder name; a repeated
     name gets the folder appended (``ddp (runs/b)``).
     """
     runs, issues = expand_paths(paths)

@@ -139,6 +139,9 @@ def checkpoint_resume(rank: int, world: int, strategy: str, stop_at: int, total:
     model, opt, sched = build()  # fresh objects, as after a restart
     ckpt = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
     model.load_state_dict(ckpt["model"])
+    if strategy == "slowmo":  # code that replaces .data: the wrapper must re-bind its flat buffer
+        for p in model.parameters():
+            p.data = p.data.clone()
     opt.load_state_dict(ckpt["opt"])
     sched.load_state_dict(ckpt["sched"])
     _train(opt, model, rank, range(stop_at + 1, total + 1), sched=sched)

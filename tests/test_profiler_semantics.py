@@ -130,13 +130,14 @@ def test_run_folders_names_and_summary(tmp_path: Path) -> None:
     for strategy in ("ddp", "cpdp"):
         for rank in (0, 1):
             write_trace(tmp_path / "runs" / strategy / f"rank{rank}.pt.trace.json.gz", cpu_scenario(rank))
-        (tmp_path / "runs" / strategy / "run.json").write_text(f'{{"strategy": "{strategy}", "period": 4}}')
+        period = "null" if strategy == "ddp" else "4"
+        (tmp_path / "runs" / strategy / "run.json").write_text(f'{{"strategy": "{strategy}", "period": {period}}}')
     report = analyze([tmp_path / "runs"])
-    assert [r.name for r in report.runs] == ["cpdp", "ddp"] and not report.errors
+    assert [r.name for r in report.runs] == ["cpdp K=4", "ddp"] and not report.errors
     s = report.run("ddp").summary
     assert s.num_ranks == 2 and s.per_step["exposed_us"] == 60 and s.per_step["step_time_us"] == 1000
     assert s.exposed_skew_us == 0 and s.slowest_rank == 0
-    assert report.run("cpdp").run_info["period"] == 4
+    assert report.run("cpdp K=4").run_info["period"] == 4
     # the same folder twice: names stay unique
     twice = analyze([tmp_path / "runs" / "ddp", tmp_path / "runs" / "ddp"])
     assert len({r.name for r in twice.runs}) == 2

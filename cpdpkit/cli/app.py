@@ -24,7 +24,7 @@ EXIT_USER_ERROR = 2
 def _console(stderr: bool = False) -> Console:
     # Piped output (CI logs, `make run | tee`) gets a wide table instead of rich's 80 columns.
     console = Console(stderr=stderr)
-    return console if console.is_terminal else Console(stderr=stderr, width=140)
+    return console if console.is_terminal else Console(stderr=stderr, width=160)
 
 
 out_console = _console()

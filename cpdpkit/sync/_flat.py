@@ -93,14 +93,12 @@ class FlatParameters:
                 if p.data_ptr() != view.data_ptr():
                     view.copy_(p.data)
                     p.data = view
+        self._bound = [(p, p.data_ptr()) for seg in self.segments for p in seg.params]
 
     def ensure_bound(self) -> None:
         """Re-bind parameters whose ``.data`` was replaced (e.g. ``load_state_dict(assign=True)``)."""
-        for seg in self.segments:
-            for p, off in zip(seg.params, seg.offsets):
-                if p.data_ptr() != seg.flat[off:].data_ptr():
-                    self.rebind()
-                    return
+        if any(p.data_ptr() != ptr for p, ptr in self._bound):
+            self.rebind()
 
     def low_precision_params(self) -> list[torch.dtype]:
         return [seg.flat.dtype for seg in self.segments if seg.flat.dtype in _LOW_PRECISION]

@@ -35,17 +35,15 @@ def _write_back(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
 
 
 @torch.no_grad()
-def _average(comm: Communicator, tensors: Sequence[torch.Tensor], cap_bytes: int) -> None:
+def _coalesced(comm: Communicator, tensors: Sequence[torch.Tensor], cap_bytes: int,
+               op: str) -> None:
+    """Average (``op="average"``) or broadcast tensors in a few flat per-dtype buffers."""
     groups = _flatten_by_dtype(tensors)
-    comm.average_([flat for flat, _ in groups], cap_bytes)
-    for flat, ts in groups:
-        _write_back(flat, ts)
-
-
-@torch.no_grad()
-def _broadcast(comm: Communicator, tensors: Sequence[torch.Tensor], cap_bytes: int) -> None:
-    groups = _flatten_by_dtype(tensors)
-    comm.broadcast_([flat for flat, _ in groups], cap_bytes)
+    flats = [flat for flat, _ in groups]
+    if op == "average":
+        comm.average_(flats, cap_bytes)
+    else:
+        comm.broadcast_(flats, cap_bytes)
     for flat, ts in groups:
         _write_back(flat, ts)
 
@@ -58,14 +56,14 @@ def sync_buffers(
         return
     with comm.blocking("buffer_sync"):
         if policy == "broadcast":
-            _broadcast(comm, buffers, cap_bytes)
+            _coalesced(comm, buffers, cap_bytes, "broadcast")
             return
         floating = [b for b in buffers if b.is_floating_point()]
         other = [b for b in buffers if not b.is_floating_point()]
         if floating:
-            _average(comm, floating, cap_bytes)
+            _coalesced(comm, floating, cap_bytes, "average")
         if other:
-            _broadcast(comm, other, cap_bytes)
+            _coalesced(comm, other, cap_bytes, "broadcast")
 
 
 def _floating_state(
@@ -97,4 +95,4 @@ def sync_optimizer_state(
     tensors = _floating_state(optimizer.state, params)
     if tensors:
         with comm.blocking("state_sync"):
-            _average(comm, tensors, cap_bytes)
+            _coalesced(comm, tensors, cap_bytes, "average")

@@ -207,7 +207,8 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         self._arm_next_step()
 
     def _buffers(self) -> list[torch.Tensor]:
-        return [b for b in self.model.buffers()]
+        # Listed anew each time: a module may re-assign a buffer rather than update it in place.
+        return list(self.model.buffers())
 
     # -- the torch.optim.Optimizer surface ----------------------------------------------------
     @property
