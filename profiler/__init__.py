@@ -1,6 +1,6 @@
 """cpdpkit.profiler: exposed vs hidden communication from PyTorch profiler (Kineto) traces.
 
-Torch-free on purpose (numpy and orjson only), so it runs wherever the traces land::
+Torch-free on purpose (numpy, orjson and msgspec only), so it runs wherever the traces land::
 
     from cpdpkit.profiler import analyze
     report = analyze(["runs/ddp", "runs/localsgd", "runs/cpdp"])

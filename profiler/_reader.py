@@ -1,15 +1,18 @@
 """Streaming reader for Chrome-trace JSON (plain or gzip): events in batches, metadata aside.
 
 A Kineto trace is one JSON object whose ``traceEvents`` list holds nearly all the bytes.
-Parsing it whole would build millions of Python dicts at once (about ten times the file
-size), so the reader walks the ``traceEvents`` array in chunks of a few MiB: it cuts each
-chunk at the last ``}`` that is followed by ``,`` or ``]`` and lets orjson parse
-``[chunk]``. A cut inside a string or a nested object cannot produce valid JSON (its
-brackets would not balance), so a successful parse proves the cut was between events;
-otherwise an earlier ``}`` is tried, then more data is read. Everything outside the array
-(``distributedInfo``, ``deviceProperties``, ...) is parsed at the end as the object with an
-empty ``traceEvents``. Unusual but valid layouts fall back to parsing the whole file, which
-also produces orjson's exact message for invalid JSON. Nothing is ever eval'ed or unpickled.
+Parsing it whole would build millions of Python objects at once (about ten times the file
+size), so the reader walks the ``traceEvents`` array in chunks of 64 KiB: it cuts each
+chunk at the last ``}`` that is followed by ``,`` or ``]`` and hands ``[chunk]`` to a
+``parse`` function (orjson by default; :func:`cpdpkit.profiler.trace.load_trace` passes
+the msgspec decoder of :mod:`cpdpkit.profiler._events`, which falls back to orjson). A cut
+inside a string or a nested object cannot produce valid JSON (its brackets would not
+balance), so a successful parse proves the cut was between events; otherwise (``parse``
+raised ``ValueError``) an earlier ``}`` is tried, then more data is read. Everything
+outside the array (``distributedInfo``, ``deviceProperties``, ...) is parsed with orjson at
+the end as the object with an empty ``traceEvents``. Unusual but valid layouts fall back to
+parsing the whole file with orjson, which also produces orjson's exact message for invalid
+JSON. Nothing is ever eval'ed or unpickled.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ _WS = re.compile(rb"\s*")
 _AFTER_CLOSE = re.compile(rb"\s*[,\]]")
 _MAX_TRIES = 8
 
-Batch = Callable[[list[Any], int], None]
+Batch = Callable[[Any, int], None]
+Parse = Callable[[bytes], Any]  # raises ValueError (orjson.JSONDecodeError is one) on invalid JSON
 
 
 class StreamingNotPossible(Exception):
@@ -94,7 +98,7 @@ def _parse_all(data: bytes, path: str) -> dict[str, Any]:
     return _meta_from(doc, path)
 
 
-def _stream_array(fh: BinaryIO, buf: bytes, path: str, chunk: int, on_batch: Batch) -> bytes:
+def _stream_array(fh: BinaryIO, buf: bytes, path: str, chunk: int, on_batch: Batch, parse: Parse) -> bytes:
     """Feed the events of the open ``traceEvents`` array to ``on_batch``; return what follows it."""
     index = 0
     eof = False
@@ -111,7 +115,7 @@ def _stream_array(fh: BinaryIO, buf: bytes, path: str, chunk: int, on_batch: Bat
                 pos = _WS.match(buf, pos + 1).end()
         if buf[pos : pos + 1] == b"]":
             return buf[pos + 1 :]
-        events, cut = _parse_prefix(buf, pos)
+        events, cut = _parse_prefix(buf, pos, parse)
         if events is None:
             if eof:
                 raise StreamingNotPossible
@@ -125,7 +129,7 @@ def _stream_array(fh: BinaryIO, buf: bytes, path: str, chunk: int, on_batch: Bat
         buf = buf[cut:]
 
 
-def _parse_prefix(buf: bytes, pos: int) -> tuple[list[Any] | None, int]:
+def _parse_prefix(buf: bytes, pos: int, parse: Parse) -> tuple[Any, int]:
     """Parse the longest run of whole events in ``buf[pos:]``; ``(None, 0)`` if none is whole."""
     end = len(buf)
     for _ in range(_MAX_TRIES):
@@ -136,16 +140,20 @@ def _parse_prefix(buf: bytes, pos: int) -> tuple[list[Any] | None, int]:
         if not _AFTER_CLOSE.match(buf, j + 1):
             continue
         try:
-            events = orjson.loads(b"[" + buf[pos : j + 1] + b"]")
-        except orjson.JSONDecodeError:
+            events = parse(b"[" + buf[pos : j + 1] + b"]")
+        except ValueError:
             continue
         return events, j + 1
     return None, 0
 
 
-def read_events(path: str, on_batch: Batch, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict[str, Any]:
-    """Stream ``traceEvents`` of ``path`` to ``on_batch(events, first_index)``; return the rest.
+def read_events(
+    path: str, on_batch: Batch, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, parse: Parse = orjson.loads
+) -> dict[str, Any]:
+    """Stream ``traceEvents`` of ``path`` to ``on_batch(parse(b"[...]"), first_index)``; return the rest.
 
+    ``parse`` turns the bytes of a JSON array of events into a batch (``len`` = number of
+    events), raising ``ValueError`` when they are not valid JSON.
     The returned dict is the top-level object without the events (``traceEvents`` is []).
     Raises :class:`TraceFileError` with one line naming the file and the problem, or
     :class:`StreamingNotPossible` (after some batches may have been delivered) when the
@@ -162,7 +170,7 @@ def read_events(path: str, on_batch: Batch, *, chunk_bytes: int = DEFAULT_CHUNK_
             if not more:
                 raise StreamingNotPossible
             head += more
-        rest = _stream_array(fh, head[m.end() :], path, chunk_bytes, on_batch)
+        rest = _stream_array(fh, head[m.end() :], path, chunk_bytes, on_batch, parse)
         tail = rest + _read(fh, -1, path)
     try:
         meta = orjson.loads(head[: m.end()] + b"]" + tail)

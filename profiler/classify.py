@@ -22,6 +22,7 @@ all_to_all, send_recv, other.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -132,6 +133,7 @@ def _cpu_role(name: str) -> tuple[str, str | None]:
     return "cpu", None
 
 
+@functools.lru_cache(maxsize=1 << 16)  # ranks of a run share most names
 def classify_name(name: str) -> NameClass:
     """Classify one event name (see the module docstring for the rules)."""
     gpu_role = _gpu_role(name)

@@ -4,12 +4,16 @@
 and keeps, for every complete event (``ph == "X"``), its start and end (microseconds,
 relative to the file's first event), an interned name and category, its thread, its GPU
 stream (-1 on the CPU), its CUDA correlation id and, for communication events only, the
-collective and process group from its arguments. The event dicts are dropped batch by
-batch, so memory is a few columns per event instead of the whole JSON tree.
+collective and process group from its arguments. Batches are dropped as they are added,
+so memory is a few columns per event instead of the whole JSON tree.
 
-Events are validated as they go by: a non-object event, or a complete event whose
+Each batch is decoded by msgspec into just the fields above (:mod:`cpdpkit.profiler._events`),
+already type-checked and gathered into columns, and appended as a whole. A batch msgspec
+refuses is parsed by orjson into dicts and goes through the checked per-event path, which
+validates events as they go by: a non-object event, or a complete event whose
 ``name``/``ts``/``dur``/``pid``/``tid``/``args`` is missing or of the wrong type, makes the
-whole file fail with one line naming the file, the event index and the field.
+whole file fail with one line naming the file, the event index and the field. Both paths
+give identical columns.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +33,7 @@ from cpdpkit.profiler._reader import (
     read_events,
     read_events_whole,
 )
+from cpdpkit.profiler._events import EventBatch, decode_batch
 from cpdpkit.profiler.classify import NameClass, canonical_kind, classify_name
 from cpdpkit.profiler.errors import TraceFileError
 
@@ -92,6 +98,7 @@ class _Columns:
         self.thread_labels: dict[tuple[Any, Any], str] = {}
         self.comm_kind: dict[int, str] = {}
         self.pg_name: dict[int, str] = {}
+        self.comm_nids: set[int] = set()  # names whose events' comm arguments are read
 
     def _bad(self, index: int, event: Any, problem: str) -> TraceFileError:
         name = event.get("name") if isinstance(event, dict) else None
@@ -111,7 +118,64 @@ class _Columns:
             if isinstance(label, str):
                 self.thread_labels[(event.get("pid"), event.get("tid"))] = label
 
-    def add(self, events: list[Any], first_index: int) -> None:  # noqa: C901 - hot loop
+    def add(self, events: EventBatch | list[Any], first_index: int) -> None:
+        """Append one batch: columns msgspec already decoded and checked, or plain events."""
+        if type(events) is EventBatch:
+            self._add_batch(events)
+        else:
+            self._add_checked(events, first_index)
+
+    def _add_batch(self, b: EventBatch) -> None:
+        for pid, tid, label in b.labels:
+            self.thread_labels[(pid, tid)] = label
+        row0 = len(self.ts)
+        nids = self._ids(self.name_ids, b.names, self._new_name)
+        if self.comm_nids and not self.comm_nids.isdisjoint(nids):
+            self._comm_rows(row0, b, nids)
+        self.name_id.extend(nids)
+        self.cat_id.extend(self._ids(self.cat_ids, b.cats, self._new_cat, "h"))
+        self.thread_id.extend(self._ids(self.thread_ids, list(zip(b.pids, b.tids)), self._new_key))
+        self.ts.extend(b.ts)
+        self.dur.extend(b.dur)
+        self.stream.extend(b.stream)
+        self.corr.extend(b.corr)
+
+    @staticmethod
+    def _ids(ids: dict, values: list, new: Callable[[Any], None], code: str = "i") -> array:
+        """``values`` interned through ``ids``; ``new(value)`` interns the unseen ones in order."""
+        try:
+            return array(code, map(ids.get, values))
+        except TypeError:  # some value not seen before
+            for value in dict.fromkeys(values):
+                if value not in ids:
+                    new(value)
+            return array(code, map(ids.__getitem__, values))
+
+    def _new_name(self, name: str) -> None:
+        nid = self.name_ids[name] = len(self.names)
+        self.names.append(name)
+        self.classes.append(classify_name(name))
+        if self.classes[nid].reads_comm_args:
+            self.comm_nids.add(nid)
+
+    def _new_cat(self, cat: Any) -> None:
+        self.cat_ids[cat] = len(self.cats)
+        self.cats.append(cat if isinstance(cat, str) else "")
+
+    def _new_key(self, key: tuple[Any, Any]) -> None:
+        self.thread_ids[key] = len(self.threads)
+        self.threads.append(key)
+
+    def _comm_rows(self, row0: int, b: EventBatch, nids: array) -> None:
+        comm_nids = self.comm_nids
+        for i, nid in enumerate(nids):
+            if nid in comm_nids:
+                args = b.args[i]
+                if args is not None:
+                    self._comm_args(row0 + i, {"Collective name": args.collective,
+                                               "Process Group Name": args.process_group})
+
+    def _add_checked(self, events: list[Any], first_index: int) -> None:  # noqa: C901 - hot loop
         name_ids, classes, cat_ids, thread_ids = self.name_ids, self.classes, self.cat_ids, self.thread_ids
         ts_a, dur_a, nid_a, cat_a = self.ts, self.dur, self.name_id, self.cat_id
         tid_a, stream_a, corr_a = self.thread_id, self.stream, self.corr
@@ -144,9 +208,7 @@ class _Columns:
             nid = name_ids.get(name)
             if nid is None:
                 nid = len(self.names)
-                name_ids[name] = nid
-                self.names.append(name)
-                classes.append(classify_name(name))
+                self._new_name(name)
             cat = e.get("cat")
             cid = cat_ids.get(cat)
             if cid is None:
@@ -247,7 +309,7 @@ def load_trace(path: str | os.PathLike[str], *, chunk_bytes: int = DEFAULT_CHUNK
         raise TraceFileError(path, "no such file")
     cols = _Columns(path)
     try:
-        meta = read_events(path, cols.add, chunk_bytes=chunk_bytes)
+        meta = read_events(path, cols.add, chunk_bytes=chunk_bytes, parse=decode_batch)
     except StreamingNotPossible:
         cols = _Columns(path)
         meta = read_events_whole(path, cols.add)

@@ -1,0 +1,106 @@
+"""Fast decoding of a batch of trace events with msgspec, straight into columns.
+
+orjson builds a dict holding every field of every event; most of that work is thrown away,
+since the profiler reads only a handful of fields. msgspec decodes each event into a small
+:class:`Event` struct holding just those fields and skips the others without building
+them. :func:`decode_batch` then gathers the complete (``ph == "X"``) events' fields into
+lists and typed arrays (:class:`EventBatch`), checking on the way everything the checked
+per-event path of :mod:`cpdpkit.profiler.trace` checks.
+
+When msgspec refuses a batch (an event of an unexpected type, a field of an unexpected
+type, a negative duration, a required field missing, bytes that are not UTF-8), the batch
+is parsed again with orjson and a plain list of dicts is returned instead: the checked path
+then either loads it (odd but valid traces) or raises its exact one-line error. Invalid
+JSON raises ``ValueError``, as the streaming reader expects.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Annotated, Any, Union
+
+import msgspec
+import orjson
+
+__all__ = ["Event", "EventBatch", "decode_batch"]
+
+# Bounds that keep msgspec's integers within what orjson returns as int and the columns hold.
+_Int = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
+_Int32 = Annotated[int, msgspec.Meta(ge=-(1 << 31), le=(1 << 31) - 1)]
+
+
+
+class Args(msgspec.Struct, gc=False):
+    """The ``args`` entries the profiler reads (``name`` is a thread name's label)."""
+
+    stream: _Int32 = -1
+    correlation: _Int = -1
+    collective: Any = msgspec.field(default=None, name="Collective name")
+    process_group: Any = msgspec.field(default=None, name="Process Group Name")
+    name: Any = None
+
+
+class Event(msgspec.Struct, gc=False):
+    """One trace event, reduced to the fields the profiler reads."""
+
+    ph: str
+    name: Union[str, None] = None
+    ts: Union[float, None] = None
+    dur: Union[Annotated[float, msgspec.Meta(ge=0)], None] = None
+    pid: Union[_Int, str, None] = None
+    tid: Union[_Int, str, None] = None
+    cat: Union[str, None] = None
+    args: Union[Args, None] = None
+
+
+_NO_ARGS = Args()
+_DECODER = msgspec.json.Decoder(list[Event])
+
+
+class EventBatch:
+    """The complete events of one batch as columns (rows in event order), plus thread labels."""
+
+    __slots__ = ("count", "names", "ts", "dur", "pids", "tids", "cats", "args", "stream", "corr", "labels")
+
+    def __init__(self, count: int, xs: list[Event], labels: list[tuple[Any, Any, str]]) -> None:
+        self.count = count  # all events of the batch, complete or not
+        self.names: list[str] = [e.name for e in xs]  # type: ignore[misc]
+        self.ts = array("d", [e.ts for e in xs])  # TypeError on a missing ts or dur
+        self.dur = array("d", [e.dur for e in xs])
+        self.pids: list[int | str] = [e.pid for e in xs]  # type: ignore[misc]
+        self.tids: list[int | str] = [e.tid for e in xs]  # type: ignore[misc]
+        if None in self.names or None in self.pids or None in self.tids:
+            raise TypeError("a complete event lacks its name, pid or tid")
+        self.cats: list[str | None] = [e.cat for e in xs]
+        self.args: list[Args | None] = [e.args for e in xs]
+        self.stream = array("i", [(a or _NO_ARGS).stream for a in self.args])
+        self.corr = array("q", [(a or _NO_ARGS).correlation for a in self.args])
+        self.labels = labels
+
+    def __len__(self) -> int:
+        return self.count
+
+
+def decode_batch(data: bytes) -> EventBatch | list[Any]:
+    """Decode the JSON array ``data`` into an :class:`EventBatch`, or a list (see module doc)."""
+    if not data.isascii():  # orjson refuses what is not UTF-8; msgspec may skip it unread
+        try:
+            data.decode()
+        except UnicodeDecodeError:
+            return orjson.loads(data)
+    try:
+        events = _DECODER.decode(data)
+    except msgspec.ValidationError:
+        return orjson.loads(data)
+    except msgspec.DecodeError as exc:
+        raise ValueError(str(exc)) from None
+    xs = [e for e in events if e.ph == "X"]
+    labels = [
+        (e.pid, e.tid, e.args.name)
+        for e in events
+        if e.ph == "M" and e.name == "thread_name" and e.args is not None and isinstance(e.args.name, str)
+    ]
+    try:
+        return EventBatch(len(events), xs, labels)
+    except TypeError:  # a complete event lacks a field the checked path requires
+        return orjson.loads(data)
