@@ -99,10 +99,17 @@ def _default_file_mode() -> int:
 def _atomic_export(prof: profile, path: Path, gzip: bool) -> None:
     """Export to a hidden temporary file in the same folder, then rename over ``path``."""
     suffix = ".json.gz" if gzip else ".json"
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
+    with _atomic_target(path, f".{path.name}.", suffix) as tmp:
+        prof.export_chrome_trace(tmp)
+
+
+@contextmanager
+def _atomic_target(path: Path, prefix: str, suffix: str) -> Iterator[str]:
+    """A hidden temporary file beside ``path``, renamed over it when the block succeeds."""
+    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=path.parent)
     os.close(fd)
     try:
-        prof.export_chrome_trace(tmp)
+        yield tmp
         os.chmod(tmp, _default_file_mode())
         os.replace(tmp, path)
     finally:
@@ -185,13 +192,6 @@ def write_run_json(out_dir: str | os.PathLike[str], **info: Any) -> Path:
             merged.update(loaded)
     merged.update(info)
     text = json.dumps(merged, indent=2, sort_keys=True, default=str) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=".run.", suffix=".json", dir=out)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.chmod(tmp, _default_file_mode())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with _atomic_target(path, ".run.", ".json") as tmp:
+        Path(tmp).write_text(text, encoding="utf-8")
     return path
