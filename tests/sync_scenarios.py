@@ -220,3 +220,27 @@ def profiled_labels(rank: int, world: int) -> dict:
     return {"names": sorted({n for n, _, _ in events if n.startswith("cpdpkit::")}),
             "backward": [(s, e) for n, s, e in events if n == "test::backward"],
             "launches": [(s, e) for n, s, e in events if n == "cpdpkit::sync::grad_allreduce"]}
+
+
+def emulated_vs_plain(rank: int, world: int) -> dict:
+    """cpdp (plain module) and localsgd (DDP-wrapped) over an emulated WAN group vs gloo."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from cpdpkit.emulator import EmulatorConfig, emulated_op_counts, register_emulated_backend
+    from cpdpkit.topology import preset
+
+    register_emulated_backend(EmulatorConfig(topology=preset("wan", world_size=world)))
+    emu = dist.new_group(backend="emu")
+    out: dict[str, Any] = {}
+    for label, group in (("gloo", None), ("emu", emu)):
+        model = make_model(0, batchnorm=True)
+        opt = PeriodicSyncOptimizer(make_optimizer("adamw", model), model=model, strategy="cpdp",
+                                    period=2, warmup_steps=1, group=group)
+        _train(opt, model, rank, range(1, 6))
+        wrapped = DDP(make_model(0), process_group=group)
+        opt2 = PeriodicSyncOptimizer(make_optimizer("sgd", wrapped), model=wrapped,
+                                     strategy="localsgd", period=2, group=group)
+        _train(opt2, wrapped, rank, range(1, 6))
+        out[label] = (_params(model), [b.clone() for b in model.buffers()], _params(wrapped.module))
+    out["emulated_ops"] = emulated_op_counts()
+    return out

@@ -185,3 +185,11 @@ def test_phases_are_labelled_and_gradient_buckets_launch_during_backward():
     assert len(res["launches"]) == 8
     inside = [any(bs <= s and e <= be for bs, be in res["backward"]) for s, e in res["launches"]]
     assert all(inside), "every bucket all-reduce must be launched from backward hooks"
+
+
+def test_identical_with_and_without_network_emulation():
+    for res in run_ranks(sc.emulated_vs_plain, 2):
+        for ours, plain in zip(res["emu"], res["gloo"]):
+            assert all(torch.equal(a, b) for a, b in zip(ours, plain))
+        # the emulated runs really went through the emu backend (broadcast, all-gather, all-reduce)
+        assert res["emulated_ops"].get("all_reduce", 0) >= 5 and res["emulated_ops"].get("broadcast", 0) >= 1
