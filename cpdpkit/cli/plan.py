@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from itertools import groupby
 from pathlib import Path
 from typing import Any, Optional
@@ -19,12 +20,16 @@ from cpdpkit.errors import ConfigError
 from cpdpkit.planner import (
     PlannerConfig,
     ShardingPlan,
+    TwoStageSchedule,
+    estimate_unit_timings,
     format_bytes,
     fsdp2_default_plan,
     parse_bytes,
     plan_sharding,
+    plan_two_stage,
     planning_summary,
 )
+from cpdpkit.planner.schedule import DEFAULT_FLOPS_PER_S, DEFAULT_TOKENS_PER_RANK
 from cpdpkit.planner.planner import resolve_inputs
 
 __all__ = ["plan", "DEFAULT_BUDGET"]
@@ -48,6 +53,12 @@ def plan(
     shard_size: Optional[int] = typer.Option(None, "--shard-size", help="Fix the shard axis size (default: planner's choice)."),
     state_sharding: bool = typer.Option(True, "--state-sharding/--no-state-sharding",
                                         help="Allow optimizer-state sharding across replicas (FSDP2 alone cannot run it)."),
+    tokens_per_rank: int = typer.Option(DEFAULT_TOKENS_PER_RANK, "--tokens-per-rank",
+                                        help="Tokens per rank per step, for the schedule's compute-time estimate."),
+    tflops: float = typer.Option(DEFAULT_FLOPS_PER_S / 1e12, "--tflops",
+                                 help="Achieved TFLOP/s per rank, for the schedule's compute-time estimate."),
+    show_schedule: bool = typer.Option(True, "--schedule/--no-schedule",
+                                       help="Print the two-stage exchange schedule (it stays in --json either way)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the plan and a summary to this JSON file."),
 ) -> None:
     """Plan units, mesh, placements and state sharding; show them beside FSDP2's default."""
@@ -60,9 +71,14 @@ def plan(
     start = time.perf_counter()
     chosen = plan_sharding(spec, topo, config=config)
     plan_s = time.perf_counter() - start
+    if chosen.schedule is not None:
+        timings = estimate_unit_timings(chosen, tokens_per_rank=tokens_per_rank, flops_per_s=tflops * 1e12)
+        chosen = replace(chosen, schedule=plan_two_stage(chosen, timings=timings))
     baseline = fsdp2_default_plan(spec, topo, config=config)
     summary = planning_summary(chosen, baseline, plan_s)
     _render(chosen, baseline, summary)
+    if show_schedule and chosen.schedule is not None:
+        _render_schedule(chosen.schedule, f"estimated: {tokens_per_rank} tokens/rank at {tflops:g} TFLOP/s")
     if json_out is not None:
         try:
             json_out.write_text(json.dumps({"plan": chosen.to_dict(), "summary": summary}, indent=1) + "\n")
@@ -176,3 +192,41 @@ def _render(p: ShardingPlan, baseline: ShardingPlan, summary: dict[str, Any]) ->
     out_console.print(_comm_table(p))
     for note in p.notes:
         out_console.print(f"[dim]note: {note}[/dim]", soft_wrap=True)
+
+
+_SCHEDULE_HEAD_ROWS = 4  # with more than twice this many units, show the first and last few
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f}"
+
+
+def _schedule_table(sched: TwoStageSchedule) -> Table:
+    table = Table(title=f"two-stage exchange schedule on the {sched.tier} link "
+                        "(times in ms from the start of backward)")
+    for col in ("unit", "bytes", "tier", "ready", "deadline", "start", "end", "stage", "order", "forward waits"):
+        table.add_column(col, justify="left" if col in ("unit", "tier") else "right")
+    slots = list(sched.slots)
+    k = _SCHEDULE_HEAD_ROWS
+    shown: list = slots if len(slots) <= 2 * k + 1 else [*slots[:k], None, *slots[-k:]]
+    for s in shown:
+        if s is None:
+            table.add_row(f"... {len(slots) - 2 * k} more", *[""] * 9)
+            continue
+        stage = f"{s.stage}" + (" late" if s.late_s > 1e-12 else "")
+        table.add_row(s.unit, format_bytes(s.num_bytes), str(s.tier), _ms(s.release_s), _ms(s.deadline_s),
+                      _ms(s.start_s), _ms(s.end_s), stage, str(s.order), _ms(s.wait_s) if s.wait_s > 0 else "-")
+    return table
+
+
+def _render_schedule(sched: TwoStageSchedule, timing_note: str) -> None:
+    out_console.print(_schedule_table(sched))
+    misses = sched.deadline_misses
+    missed = ", ".join(f"{s.unit} +{_ms(s.late_s)} ms" for s in misses[:3]) + (" ..." if len(misses) > 3 else "")
+    out_console.print(
+        f"schedule: {sched.num_stage1} unit(s) in stage 1 (during backward), {sched.num_stage2} in stage 2 "
+        f"(during the next forward); {len(misses)} deadline miss(es){f' ({missed})' if misses else ''}; "
+        f"exposed tail naive {_ms(sched.naive_exposed_s)} ms -> two-stage {_ms(sched.exposed_s)} ms "
+        f"(floor {_ms(sched.lower_bound_exposed_s)} ms); backward {_ms(sched.backward_s)} ms, forward "
+        f"{_ms(sched.forward_s)} ms ({timing_note})", soft_wrap=True)
+    out_console.print(f"[dim]algorithm: {sched.algorithm}[/dim]")

@@ -4,7 +4,8 @@
 ``llama-70b`` or ``package.module:factory``) and a :class:`~cpdpkit.topology.Topology` into a
 frozen, JSON-serialisable :class:`ShardingPlan`: ``fully_shard`` units, an HSDP/FSDP mesh,
 per-parameter ``Shard(dim)`` placements, optimizer-state sharding across the replicate axis,
-per-rank bytes and per-tier traffic priced with the topology's α-β model.
+per-rank bytes and per-tier traffic priced with the topology's α-β model, and (with state
+sharding) the two-stage schedule of the updated-parameter exchanges (:func:`plan_two_stage`).
 :func:`~cpdpkit.planner.apply.apply_plan` (imports torch) applies a plan with FSDP2.
 """
 
@@ -25,10 +26,21 @@ from cpdpkit.planner.plan import (
 )
 from cpdpkit.planner.planner import fsdp2_default_plan, plan_sharding, planning_summary
 from cpdpkit.planner.presets import MODEL_PRESETS, model_preset
+from cpdpkit.planner.schedule import (
+    ExchangeSlot,
+    LinkInterval,
+    TwoStageSchedule,
+    UnitTiming,
+    estimate_unit_timings,
+    plan_two_stage,
+    schedule_two_stage,
+)
 
 __all__ = [
     "BlockSpec",
     "CommPhase",
+    "ExchangeSlot",
+    "LinkInterval",
     "MODEL_PRESETS",
     "MeshPlan",
     "ModelSpec",
@@ -39,15 +51,20 @@ __all__ = [
     "RankBytes",
     "ShardingPlan",
     "StateSharding",
+    "TwoStageSchedule",
     "UnitPlan",
+    "UnitTiming",
     "apply_plan",
+    "estimate_unit_timings",
     "format_bytes",
     "fsdp2_default_plan",
     "load_model_spec",
     "model_preset",
     "parse_bytes",
     "plan_sharding",
+    "plan_two_stage",
     "planning_summary",
+    "schedule_two_stage",
 ]
 
 

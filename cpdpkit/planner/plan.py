@@ -16,10 +16,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from cpdpkit.planner.config import PlannerConfig
 from cpdpkit.topology import Topology
+
+if TYPE_CHECKING:
+    from cpdpkit.planner.schedule import TwoStageSchedule
 
 __all__ = [
     "ParamPlacement",
@@ -217,10 +220,10 @@ class ShardingPlan:
     ``all_gather_order`` lists ``(unit, phase)`` in issue order: forward (root first), then
     backward in reverse for units resharded after forward.
 
-    ``schedule`` is reserved for the two-stage all-gather schedule of a later issue: which
-    replicate-axis parameter all-gathers (of state-sharded units) run during which backward
-    unit, so that the exchange of updated parameters overlaps backward compute. It stays
-    ``None`` until that issue fills it; nothing here reads it.
+    ``schedule`` is the two-stage schedule of the replicate-axis exchanges of updated
+    parameters (:func:`~cpdpkit.planner.schedule.plan_two_stage`): which run during backward
+    (stage 1) and which during the next forward (stage 2), in which order on the slow link.
+    ``None`` when the plan has no replicate axis or does not shard optimizer state.
     """
 
     model_name: str
@@ -236,7 +239,7 @@ class ShardingPlan:
     comm: tuple[CommPhase, ...]
     all_gather_order: tuple[tuple[str, str], ...]
     notes: tuple[str, ...] = ()
-    schedule: None = None
+    schedule: TwoStageSchedule | None = None
 
     def __post_init__(self) -> None:
         for name in ("units", "placements", "comm", "notes"):
@@ -305,12 +308,13 @@ class ShardingPlan:
             "comm": [c.to_dict() for c in self.comm],
             "all_gather_order": [list(x) for x in self.all_gather_order],
             "notes": list(self.notes),
-            "schedule": self.schedule,
+            "schedule": None if self.schedule is None else self.schedule.to_dict(),
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ShardingPlan:
         from cpdpkit.planner.config import PlannerError
+        from cpdpkit.planner.schedule import TwoStageSchedule
 
         version = data.get("format_version")
         if version != PLAN_FORMAT_VERSION:
@@ -325,7 +329,8 @@ class ShardingPlan:
             rank_bytes=RankBytes.from_dict(data["rank_bytes"]),
             comm=tuple(CommPhase.from_dict(c) for c in data["comm"]),
             all_gather_order=tuple(tuple(x) for x in data["all_gather_order"]),
-            notes=tuple(data.get("notes", ())), schedule=data.get("schedule"),
+            notes=tuple(data.get("notes", ())),
+            schedule=None if data.get("schedule") is None else TwoStageSchedule.from_dict(data["schedule"]),
         )
 
     def to_json(self, **kwargs: Any) -> str:

@@ -34,6 +34,7 @@ from cpdpkit.planner._cost import Candidate, CostModel, Evaluation, UnitGeom, _i
 from cpdpkit.planner.config import PlannerConfig, PlannerError, ceil_div, format_bytes
 from cpdpkit.planner.model_spec import ROOT, ModelSpec, load_model_spec
 from cpdpkit.planner.plan import MeshPlan, ParamPlacement, ShardingPlan, StateSharding, UnitPlan
+from cpdpkit.planner.schedule import plan_two_stage
 from cpdpkit.topology import Topology, resolve_topology
 
 __all__ = ["plan_sharding", "fsdp2_default_plan", "planning_summary", "resolve_inputs"]
@@ -247,13 +248,14 @@ def _to_plan(spec: ModelSpec, topo: Topology, config: PlannerConfig, evaluation:
     state = StateSharding(axis="replicate" if cand.state_sharded else None,
                           num_partitions=replicas if cand.state_sharded else 1,
                           executed_by_fsdp2=not cand.state_sharded)
-    return ShardingPlan(
+    plan = ShardingPlan(
         model_name=spec.name, strategy=cand.strategy + ("+state" if cand.state_sharded else ""),
         world_size=topo.world_size, topology=topo, config=config, mesh=_mesh(topo, cand.shard_size),  # type: ignore[arg-type]
         units=tuple(units), placements=tuple(placements), state_sharding=state,
         rank_bytes=evaluation.rank_bytes, comm=evaluation.comm, all_gather_order=tuple(_all_gather_order(units)),
         notes=tuple(notes if notes is not None else _notes(cand, evaluation, config)),
     )
+    return replace(plan, schedule=plan_two_stage(plan))
 
 
 def _budget_error(spec: ModelSpec, topo: Topology, config: PlannerConfig, results: list) -> PlannerError:

@@ -1,0 +1,367 @@
+"""The two-stage schedule of updated-parameter exchanges on the slow (replicate) link.
+
+With optimizer-state sharding across the replicate axis, each replica reduce-scatters a unit's
+gradient across replicas, updates only its slice, and all-gathers the updated parameters
+across replicas before that unit's next forward. Issued naively (every all-gather after
+backward) that exchange is a long tail: the first units' gradients are ready last in backward,
+yet their parameters are needed first in the next forward. This module decides, per unit,
+when its exchange runs on the slow link.
+
+**Timeline model** (one step; t = 0 at the start of backward; all times in seconds):
+
+* Backward runs the units in reverse plan order; unit ``u``'s gradient is ready (``grad_ready_s``)
+  when its backward compute ends. Backward ends at ``B`` = the sum of backward times.
+* Its cross-replica gradient reduce-scatter occupies the slow link FIFO in ready order, as FSDP
+  issues them, and is never delayed by an exchange (reduce-scatters have priority: they are fixed
+  busy intervals computed first).
+* Its update ends ``update_s`` after its reduce-scatter: the exchange is *released* then.
+* The next forward runs units in plan order; unit ``u``'s *deadline* is the time its forward
+  starts when nothing waits: ``B`` + the forward times of the units before it.
+* Each all-gather's duration is the α-β time of the replicate group's tier
+  (:class:`~cpdpkit.planner._cost.CostModel`, the same numbers as the plan's
+  ``parameter all-gather`` phase). One link, one transfer at a time.
+
+**Algorithm: non-preemptive earliest-deadline-first with release times, backfilled into the
+gaps between reduce-scatters.** Whenever the link is free, among exchanges already released
+and that finish before the next reduce-scatter starts, the one with the earliest deadline
+starts; if none fits, the link idles until the next reduce-scatter ends or the next release.
+Why EDF: on one machine with release times and preemption, EDF (Horn's rule) meets every
+deadline whenever any schedule can, and it minimises the maximum lateness; collectives cannot
+be preempted, and the non-preemptive problem with release times is NP-hard (1|r_j|L_max), so
+EDF is the standard greedy there. Backfilling a later-deadline exchange into a gap the
+earliest one does not fit never delays anything: it ends before the reduce-scatter that closes
+the gap, and the link would have idled. Once the last reduce-scatter is done the link is work
+conserving in deadline order (= plan order), so every exchange ends no later than in the naive
+schedule and the exposed tail is never worse than naive.
+
+**Stages** are not chosen separately; they fall out of the start times: an exchange that ends
+by the end of backward ran in link idle time during backward (stage 1), one that ends later
+runs during the next forward (stage 2). The exposed time is simulated, not assumed: the forward
+starts unit ``u`` at ``max(previous forward end, its exchange end)``; what that adds to the
+forward's end is the exposed tail. The *naive* reference runs every exchange after backward and
+the last reduce-scatter, in plan order, and starts the forward after the last one.
+``lower_bound_exposed_s`` (max over units of release + transfer − deadline) is a floor no
+schedule beats; the root unit (forward first, gradient last) usually sets it.
+
+Not modeled: the shard-axis (fast tier) collectives, compute slowed by communication, and
+per-unit update times that differ. Timings come from measurement or
+:func:`estimate_unit_timings` (6·params·tokens FLOPs at a configurable rate).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from cpdpkit.planner.config import PlannerError
+
+if TYPE_CHECKING:
+    from cpdpkit.planner.plan import ShardingPlan
+    from cpdpkit.topology import Topology
+
+__all__ = [
+    "UnitTiming",
+    "ExchangeSlot",
+    "LinkInterval",
+    "TwoStageSchedule",
+    "estimate_unit_timings",
+    "schedule_two_stage",
+    "plan_two_stage",
+    "ALGORITHM",
+    "DEFAULT_TOKENS_PER_RANK",
+    "DEFAULT_FLOPS_PER_S",
+]
+
+ALGORITHM = "non-preemptive EDF with release times, reduce-scatters first, backfilled"
+DEFAULT_TOKENS_PER_RANK = 4096  # one 4k-token sequence per rank per step
+DEFAULT_FLOPS_PER_S = 125e12  # an A100's 312 TFLOP/s bf16 at 40 % MFU
+_EPS = 1e-12  # float slack when comparing times
+
+
+def _check_time(name: str, value: Any) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    if not ok:
+        raise PlannerError(f"{name} = {value!r} is invalid; use a finite number of seconds >= 0")
+
+
+def _plain(obj: Any) -> dict[str, Any]:
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnitTiming:
+    """Measured or estimated compute seconds of one unit's forward and backward on one rank."""
+
+    name: str
+    forward_s: float
+    backward_s: float
+
+    def __post_init__(self) -> None:
+        _check_time(f"{self.name}.forward_s", self.forward_s)
+        _check_time(f"{self.name}.backward_s", self.backward_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> UnitTiming:
+        return cls(**data)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExchangeSlot:
+    """One unit's updated-parameter all-gather across replicas, as scheduled.
+
+    ``release_s``: its update is done (reduce-scatter end + update); ``deadline_s``: its next
+    forward starts if nothing waits; ``stage`` 1 ends by the end of backward, 2 during the next
+    forward; ``order``: position on the link among exchanges; ``wait_s``: how long the next
+    forward actually waits for it (the exposed time it causes).
+    """
+
+    unit: str
+    num_bytes: int
+    tier: str | None
+    grad_ready_s: float
+    release_s: float
+    deadline_s: float
+    duration_s: float
+    start_s: float
+    end_s: float
+    stage: int
+    order: int
+    wait_s: float
+
+    @property
+    def late_s(self) -> float:
+        """How far the exchange ends past its deadline (0 when on time)."""
+        return max(0.0, self.end_s - self.deadline_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ExchangeSlot:
+        return cls(**data)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkInterval:
+    """A busy interval of the slow link: ``kind`` is ``reduce_scatter`` or ``all_gather``."""
+
+    kind: str
+    unit: str
+    start_s: float
+    end_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> LinkInterval:
+        return cls(**data)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TwoStageSchedule:
+    """The exchange schedule of one step (see the module docstring for the model).
+
+    ``slots`` are in plan (forward) order; ``link_intervals`` in time order. ``*_exposed_s`` is
+    what the next forward waits on exchanges; ``*_makespan_s`` the end of the next forward.
+    """
+
+    algorithm: str
+    tier: str | None
+    update_s: float
+    backward_s: float
+    forward_s: float
+    timings: tuple[UnitTiming, ...]
+    slots: tuple[ExchangeSlot, ...]
+    link_intervals: tuple[LinkInterval, ...]
+    exposed_s: float
+    makespan_s: float
+    naive_exposed_s: float
+    naive_makespan_s: float
+    lower_bound_exposed_s: float
+
+    def __post_init__(self) -> None:
+        for name in ("timings", "slots", "link_intervals"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    @property
+    def num_stage1(self) -> int:
+        return sum(s.stage == 1 for s in self.slots)
+
+    @property
+    def num_stage2(self) -> int:
+        return sum(s.stage == 2 for s in self.slots)
+
+    @property
+    def deadline_misses(self) -> tuple[ExchangeSlot, ...]:
+        """Slots that end after their deadline (the forward may wait on them)."""
+        return tuple(s for s in self.slots if s.late_s > _EPS)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = _plain(self)
+        for name in ("timings", "slots", "link_intervals"):
+            out[name] = [x.to_dict() for x in out[name]]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TwoStageSchedule:
+        return cls(**{**data, "timings": tuple(UnitTiming.from_dict(t) for t in data["timings"]),
+                      "slots": tuple(ExchangeSlot.from_dict(s) for s in data["slots"]),
+                      "link_intervals": tuple(LinkInterval.from_dict(i) for i in data["link_intervals"])})
+
+
+def estimate_unit_timings(plan: ShardingPlan, *, tokens_per_rank: int = DEFAULT_TOKENS_PER_RANK,
+                          flops_per_s: float = DEFAULT_FLOPS_PER_S) -> tuple[UnitTiming, ...]:
+    """Per-unit compute from parameter counts: 6·params·tokens FLOPs, 1/3 forward, 2/3 backward.
+
+    Every rank computes the whole unit on its own tokens (data parallel), so sharding does not
+    divide it. Crude for embeddings (no matmul) and attention (quadratic in sequence length);
+    pass measured :class:`UnitTiming` values to :func:`plan_two_stage` when you have them.
+    """
+    if not isinstance(tokens_per_rank, int) or isinstance(tokens_per_rank, bool) or tokens_per_rank < 1:
+        raise PlannerError(f"tokens_per_rank = {tokens_per_rank!r} is invalid; use a whole number >= 1 (e.g. 4096)")
+    if not isinstance(flops_per_s, (int, float)) or not math.isfinite(flops_per_s) or flops_per_s <= 0:
+        raise PlannerError(f"flops_per_s = {flops_per_s!r} is invalid; use a positive rate such as 125e12")
+    out = []
+    for u in plan.units:
+        total_s = 6 * u.numel * tokens_per_rank / flops_per_s
+        out.append(UnitTiming(name=u.name, forward_s=total_s / 3, backward_s=2 * total_s / 3))
+    return tuple(out)
+
+
+def _reduce_scatters(timings: Sequence[UnitTiming],
+                     rs_s: Sequence[float]) -> tuple[list[float], list[tuple[float, float]]]:
+    """Gradient-ready times and FIFO reduce-scatter intervals, both indexed by plan position."""
+    n = len(timings)
+    ready, rs = [0.0] * n, [(0.0, 0.0)] * n
+    t = link = 0.0
+    for i in reversed(range(n)):
+        t += timings[i].backward_s
+        ready[i] = t
+        start = max(t, link)
+        link = start + rs_s[i]
+        rs[i] = (start, link)
+    return ready, rs
+
+
+def _edf(release: list[float], deadline: list[float], dur: list[float],
+         busy: list[tuple[float, float]]) -> list[float]:
+    """Start times: non-preemptive EDF with release times around fixed busy intervals."""
+    busy = sorted(b for b in busy if b[1] > b[0])
+    start = [math.nan] * len(release)
+    todo = set(range(len(release)))
+    t = 0.0
+    while todo:
+        inside = next((end for s, end in busy if s <= t + _EPS < end), None)
+        while inside is not None:  # the link is in a reduce-scatter (or back-to-back ones): wait
+            t = inside
+            inside = next((end for s, end in busy if s <= t + _EPS < end), None)
+        gap_end = next((s for s, _ in busy if s > t + _EPS), math.inf)
+        ready = [j for j in todo if release[j] <= t + _EPS]
+        fits = [j for j in ready if t + dur[j] <= gap_end + _EPS]
+        if fits:
+            j = min(fits, key=lambda k: (deadline[k], k))
+            start[j] = t
+            t += dur[j]
+            todo.discard(j)
+            continue
+        next_release = min((release[j] for j in todo if release[j] > t + _EPS), default=math.inf)
+        after_gap = next((end for s, end in busy if s >= gap_end - _EPS), math.inf) if ready else math.inf
+        t = min(next_release, after_gap)
+        assert math.isfinite(t), "an exchange can always run after the last reduce-scatter"
+    return start
+
+
+def _forward_waits(ends: Sequence[float], forward: Sequence[float], begin_s: float) -> tuple[list[float], float]:
+    """Per-unit wait of the next forward on its exchange, and the forward's end."""
+    t, waits = begin_s, []
+    for end, fwd in zip(ends, forward):
+        waits.append(max(0.0, end - t))
+        t = max(t, end) + fwd
+    return waits, t
+
+
+def schedule_two_stage(timings: Sequence[UnitTiming], *, reduce_scatter_s: Sequence[float],
+                       all_gather_s: Sequence[float], num_bytes: Sequence[int], tier: str | None = None,
+                       update_s: float = 0.0) -> TwoStageSchedule:
+    """Schedule each unit's exchange; all sequences are in plan (forward) order, one per unit."""
+    n = len(timings)
+    if n == 0 or not len(reduce_scatter_s) == len(all_gather_s) == len(num_bytes) == n:
+        raise PlannerError(f"schedule_two_stage needs one timing, reduce-scatter time, all-gather time and byte "
+                         f"count per unit (got {n}, {len(reduce_scatter_s)}, {len(all_gather_s)}, {len(num_bytes)})")
+    _check_time("update_s", update_s)
+    for i in range(n):
+        _check_time(f"reduce_scatter_s[{i}]", reduce_scatter_s[i])
+        _check_time(f"all_gather_s[{i}]", all_gather_s[i])
+    ready, rs = _reduce_scatters(timings, reduce_scatter_s)
+    backward_s = sum(t.backward_s for t in timings)
+    forward = [t.forward_s for t in timings]
+    deadline = [backward_s + sum(forward[:i]) for i in range(n)]
+    release = [rs[i][1] + update_s for i in range(n)]
+    dur = [float(x) for x in all_gather_s]
+    start = _edf(release, deadline, dur, rs)
+    end = [start[i] + dur[i] for i in range(n)]
+    waits, makespan = _forward_waits(end, forward, backward_s)
+    rank = {i: k for k, i in enumerate(sorted(range(n), key=lambda i: (start[i], i)))}
+    slots = tuple(ExchangeSlot(
+        unit=timings[i].name, num_bytes=int(num_bytes[i]), tier=tier, grad_ready_s=ready[i], release_s=release[i],
+        deadline_s=deadline[i], duration_s=dur[i], start_s=start[i], end_s=end[i],
+        stage=1 if end[i] <= backward_s + _EPS else 2, order=rank[i], wait_s=waits[i]) for i in range(n))
+    link = [LinkInterval(kind="reduce_scatter", unit=timings[i].name, start_s=rs[i][0], end_s=rs[i][1])
+            for i in range(n)]
+    link += [LinkInterval(kind="all_gather", unit=timings[i].name, start_s=start[i], end_s=end[i])
+             for i in range(n)]
+    link.sort(key=lambda x: (x.start_s, x.end_s))
+    naive_exposed, naive_makespan = _naive(release, dur, rs, backward_s, sum(forward))
+    return TwoStageSchedule(
+        algorithm=ALGORITHM, tier=tier, update_s=float(update_s), backward_s=backward_s, forward_s=sum(forward),
+        timings=tuple(timings), slots=slots, link_intervals=tuple(link), exposed_s=makespan - backward_s - sum(forward),
+        makespan_s=makespan, naive_exposed_s=naive_exposed, naive_makespan_s=naive_makespan,
+        lower_bound_exposed_s=max(0.0, max(release[i] + dur[i] - deadline[i] for i in range(n))))
+
+
+def _naive(release: list[float], dur: list[float], rs: list[tuple[float, float]], backward_s: float,
+           forward_s: float) -> tuple[float, float]:
+    """Every exchange after backward and the last reduce-scatter, in plan order; then the forward."""
+    t = max(backward_s, max(end for _, end in rs))
+    for r, d in zip(release, dur):
+        t = max(t, r) + d
+    return t - backward_s, t + forward_s
+
+
+def plan_two_stage(plan: ShardingPlan, topology: Topology | None = None,
+                   timings: Sequence[UnitTiming] | None = None, *, update_s: float = 0.0) -> TwoStageSchedule | None:
+    """The two-stage schedule of ``plan``'s replicate-axis exchanges; ``None`` without them.
+
+    ``topology`` (default: the plan's) prices the collectives and must have the plan's world
+    size; ``timings`` (any order, one per unit; default :func:`estimate_unit_timings`) give
+    compute seconds. ``None`` when the plan has no replicate axis or does not shard state.
+    """
+    from cpdpkit.planner._cost import CostModel
+
+    if plan.mesh.replicate_size < 2 or plan.state_sharding.axis != "replicate":
+        return None
+    topo = plan.topology if topology is None else topology
+    if topo.world_size != plan.world_size:
+        raise PlannerError(f"topology {topo.name!r} places {topo.world_size} ranks but the plan has "
+                           f"{plan.world_size}; pass a topology placed on {plan.world_size} ranks")
+    by_name = {t.name: t for t in (timings if timings is not None else estimate_unit_timings(plan))}
+    missing = [u.name for u in plan.units if u.name not in by_name]
+    if missing or len(by_name) != len(plan.units):
+        extra = sorted(set(by_name) - {u.name for u in plan.units})
+        raise PlannerError(f"timings must name every unit of the plan exactly once; missing {missing[:3]}, "
+                         f"unknown {extra[:3]} (unit names: {[u.name for u in plan.units][:3]}...)")
+    model = CostModel(topo)
+    s = plan.mesh.shard_size
+    group = (0, plan.world_size, s)
+    chunks = [u.padded_numel // s for u in plan.units]
+    pb, gb = plan.config.param_bytes, plan.config.grad_bytes
+    return schedule_two_stage(
+        [by_name[u.name] for u in plan.units],
+        reduce_scatter_s=[model.cost("reduce_scatter", c * gb, group)[0] for c in chunks],
+        all_gather_s=[model.cost("all_gather", c * pb, group)[0] for c in chunks],
+        num_bytes=[c * pb for c in chunks], tier=model.group_tier(group)[0], update_s=update_s)
