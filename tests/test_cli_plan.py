@@ -23,7 +23,7 @@ def test_plan_llama70b_tables_and_json(tmp_path):
     assert result.exit_code == 0, result.output
     for text in ("hsdp-node+state", "fully_shard units: 81 (FSDP2 default: 81)", "plan vs FSDP2 default",
                  "layers.0 ... layers.79", "NVLINK bytes sent", "IB time", "predicted comm time", "fits 80.00 GiB",
-                 "FSDP2 cannot execute that"):
+                 "FSDP2 alone cannot execute that"):
         assert text in result.output, text
     data = json.loads(out.read_text())
     summary = data["summary"]

@@ -51,6 +51,7 @@ __all__ = [
     "RankBytes",
     "ShardingPlan",
     "StateSharding",
+    "TwoStageExecutor",
     "TwoStageSchedule",
     "UnitPlan",
     "UnitTiming",
@@ -73,4 +74,8 @@ def __getattr__(name: str) -> Any:
         from cpdpkit.planner.apply import apply_plan
 
         return apply_plan
+    if name == "TwoStageExecutor":  # imports torch.distributed too
+        from cpdpkit.planner.executor import TwoStageExecutor
+
+        return TwoStageExecutor
     raise AttributeError(f"module 'cpdpkit.planner' has no attribute {name!r}")

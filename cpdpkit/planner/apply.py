@@ -7,7 +7,8 @@ parameter's ``Shard(dim)`` through ``shard_placement_fn``, and each unit's
 ``reshard_after_forward`` (bool or int). What it cannot: optimizer-state sharding across the
 replicate axis (FSDP2's HSDP all-reduces gradients and every replica steps its whole shard).
 For such plans :func:`apply_plan` applies the rest and emits :class:`StateShardingNotApplied`
-(a ``UserWarning``) with the memory that costs; the two-stage executor of a later issue runs it.
+(a ``UserWarning``) with the memory that costs; :class:`~cpdpkit.planner.executor.TwoStageExecutor`
+runs such plans.
 """
 
 from __future__ import annotations

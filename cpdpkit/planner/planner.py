@@ -218,10 +218,10 @@ def _notes(cand: Candidate, evaluation: Evaluation, config: PlannerConfig) -> li
     rb = evaluation.rank_bytes
     if cand.state_sharded:
         notes.append(
-            "optimizer state is sharded across the replicate axis; FSDP2 cannot execute that (its HSDP "
-            "all-reduces gradients and keeps the full shard's state on every replica), so apply_plan "
-            f"applies the mesh, units and placements only: peak {format_bytes(rb.fsdp2_peak_bytes)} per rank "
-            f"instead of {format_bytes(rb.peak_bytes)} until the two-stage executor (a later issue) runs it")
+            "optimizer state is sharded across the replicate axis; FSDP2 alone cannot execute that (its HSDP "
+            "all-reduces gradients and keeps the full shard's state on every replica): train with "
+            f"cpdpkit.planner.TwoStageExecutor for {format_bytes(rb.peak_bytes)} per rank; apply_plan alone "
+            f"applies the mesh, units and placements only ({format_bytes(rb.fsdp2_peak_bytes)} per rank)")
     if config.memory_budget_bytes is not None and rb.fsdp2_peak_bytes > config.memory_budget_bytes >= rb.peak_bytes:
         notes.append("this plan fits the memory budget only with optimizer-state sharding")
     notes.append("activations are not modeled; keep room for them beside peak_memory_bytes")
