@@ -114,3 +114,105 @@ def _run_case(rank: int, plan: Any, mesh: Any, case: dict[str, Any]) -> dict[str
         "hsdp_state_bytes": optimizer_state_bytes(opt), "ex_state_bytes": ex.state_bytes(),
         "stages": {u.name: (u.stage, u.order) for u in ex._units}, "pending": pending,
     }
+
+
+# ---- checkpoint / resume through torch.distributed.checkpoint -----------------------------------
+def spawn_resume(world_size: int, tmp_path: Path, plan: dict[str, Any], cases: list[dict[str, Any]],
+                 timeout_s: float = 25.0) -> list[dict[str, Any]]:
+    """Per case: an uninterrupted run vs one saved with ``dcp.save`` after ``case["k"]`` steps and
+    resumed into a fresh model/executor (another init) with ``dcp.load``."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / f"resume{world_size}"
+    out.mkdir()
+    ctx = mp.start_processes(_resume_entry, args=(world_size, str(out), plan, cases), nprocs=world_size,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise TimeoutError(f"{world_size} ranks did not finish in {timeout_s} s")
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def _resume_entry(rank: int, world_size: int, out: str, plan_dict: dict[str, Any],
+                  cases: list[dict[str, Any]]) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from cpdpkit.emulator import init_distributed
+    from cpdpkit.planner import ShardingPlan
+
+    init_distributed(backend="gloo", init_method=f"file://{out}/store", rank=rank, world_size=world_size)
+    plan = ShardingPlan.from_dict(plan_dict)
+    mesh = init_device_mesh("cpu", plan.mesh.shape, mesh_dim_names=("replicate", "shard"))
+    results = [_resume_case(rank, plan, mesh, case, Path(out, f"ckpt-{case['name']}")) for case in cases]
+    torch.save({"cases": results}, Path(out, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _train(net: nn.Module, ex: Any, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+    losses = []
+    for x, y in batches:
+        ex.zero_grad()
+        loss = nn.functional.mse_loss(net(x), y)
+        loss.backward()
+        ex.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _resume_case(rank: int, plan: Any, mesh: Any, case: dict[str, Any], ckpt: Path) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    from cpdpkit.planner import PlannerError
+    from cpdpkit.planner.executor import TwoStageExecutor
+
+    factory, clip, k = OPTIMIZERS[case["optimizer"]], case.get("max_grad_norm"), case["k"]
+    batches = _batches(rank)
+
+    net = pj.make_net()
+    ex = TwoStageExecutor(net, plan, factory, mesh=mesh, max_grad_norm=clip)
+    full_losses = _train(net, ex, batches)
+    ex.wait_exchanges()
+    full_params = _full(net)
+
+    net1 = pj.make_net()
+    ex1 = TwoStageExecutor(net1, plan, factory, mesh=mesh, max_grad_norm=clip)
+    first_losses = _train(net1, ex1, batches[:k])
+    if case.get("stateful"):  # the executor itself as a DCP Stateful
+        dcp.save({"executor": ex1}, storage_writer=dcp.FileSystemWriter(str(ckpt)))
+    else:
+        dcp.save(ex1.state_dict(), storage_writer=dcp.FileSystemWriter(str(ckpt)))
+    dist.barrier()
+    # keep training the saved run: the checkpoint must not depend on what happens afterwards
+    _train(net1, ex1, batches[k:])
+
+    torch.manual_seed(4321 + rank)  # another init, new objects
+    net2 = pj.Net()
+    ex2 = TwoStageExecutor(net2, plan, factory, mesh=mesh, max_grad_norm=clip)
+    fresh_differs = any(not torch.equal(a, full_params[n]) for n, a in _full(net2).items())
+    if case.get("stateful"):
+        dcp.load({"executor": ex2}, storage_reader=dcp.FileSystemReader(str(ckpt)))
+    else:
+        sd = ex2.state_dict()
+        dcp.load(sd, storage_reader=dcp.FileSystemReader(str(ckpt)))
+        ex2.load_state_dict(sd)
+    errors = []
+    sd2 = ex2.state_dict(include_model=False)
+    key = next(iter(sd2["optim"]))
+    for bad in ({"optim": {"rep9of9_shard0of2": sd2["optim"][key]}},
+                {"optim": {key: {**sd2["optim"][key], "layout": sd2["optim"][key]["layout"].replace(
+                    '"numel": ', '"numel": 1')}}}):
+        try:
+            ex2.load_state_dict(bad)
+        except PlannerError as exc:
+            errors.append(str(exc))
+    resumed_losses = _train(net2, ex2, batches[k:])
+    ex2.wait_exchanges()
+    return {"name": case["name"], "full_params": full_params, "resumed_params": _full(net2),
+            "full_losses": full_losses, "resumed_losses": first_losses + resumed_losses,
+            "fresh_differs": fresh_differs, "errors": errors, "optim_keys": sorted(sd2["optim"])}
