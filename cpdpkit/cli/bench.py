@@ -44,6 +44,8 @@ def _config(**kw) -> BenchConfig:  # noqa: ANN003
 @app.command()
 def bench(
     ctx: typer.Context,
+    suite: str = typer.Option("cpdp", "--suite", help="cpdp (synchronisation strategies) | sharding "
+                              "(fsdp2, hsdp, planned, two-stage on a small GPT)."),
     strategies: str = typer.Option(",".join(BENCH_STRATEGIES), help="Comma-separated subset."),
     periods: str = typer.Option("2,4", help="K values for the periodic strategies."),
     model: str = typer.Option("cnn", help="cnn | resnet18 | resnet50 | vit-s (torchvision)."),
@@ -61,9 +63,27 @@ def bench(
     json_out: str = typer.Option(None, "--json", help="Write the results as JSON to FILE."),
     plot: str = typer.Option(None, "--plot", help="Plot test accuracy vs wall clock to FILE.png."),
     work_dir: str = typer.Option(None, help="Keep per-run folders here (default: a temp dir)."),
+    steps: int = typer.Option(10, help="--suite sharding: timed steps (after 2 warm-up steps)."),
+    optimizer: str = typer.Option("adamw", help="--suite sharding: adamw | adam | sgd."),
+    memory_budget: str = typer.Option(None, help="--suite sharding: planner memory budget per rank, e.g. 64MiB."),
 ) -> None:
-    """Train one workload under ddp, localsgd-torch, localsgd, slowmo and cpdp; compare them."""
+    """Train one workload under ddp, localsgd-torch, localsgd, slowmo and cpdp; compare them.
+
+    --suite sharding: fsdp2, hsdp, planned and two-stage on a small GPT over an emulated cluster."""
     from cpdpkit.topology import resolve_topology
+
+    if suite == "sharding":
+        from cpdpkit.cli._bench_sharding import run_sharding_suite
+
+        given = {name for name in ("strategies", "model", "world_size", "topology", "batch_size", "lr")
+                 if ctx.get_parameter_source(name).name != "DEFAULT"}
+        run_sharding_suite(given=given, strategies=strategies, model=model, world_size=world_size,
+                           topology=topology, batch_size=batch_size, lr=lr, steps=steps, optimizer=optimizer,
+                           memory_budget=memory_budget, quick=quick, profile=profile, json_out=json_out,
+                           work_dir=work_dir)
+        return
+    if suite != "cpdp":
+        raise ConfigError(f"unknown --suite {suite!r}: choose cpdp or sharding")
 
     config = _config(
         strategies=strategies, periods=periods, model=model, dataset=dataset, data_dir=data_dir,

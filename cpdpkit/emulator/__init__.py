@@ -11,6 +11,7 @@ from cpdpkit.emulator.backend import (
     BACKEND_NAME,
     EmulatedProcessGroup,
     EmulatorConfig,
+    emulated_bytes_by_tier,
     emulated_op_counts,
     register_emulated_backend,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "DistributedInfo",
     "EmulatedProcessGroup",
     "EmulatorConfig",
+    "emulated_bytes_by_tier",
     "emulated_op_counts",
     "init_distributed",
     "register_emulated_backend",

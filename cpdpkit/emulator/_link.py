@@ -31,7 +31,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Link", "Booking", "EmulatedWork"]
+__all__ = ["Link", "Booking", "EmulatedWork", "blocked_s_by_thread"]
+
+_blocked_lock = threading.Lock()
+_blocked_s: dict[int, float] = {}  # thread ident -> seconds spent inside EmulatedWork.wait()
+
+
+def blocked_s_by_thread() -> dict[int, float]:
+    """Seconds each thread (by ident) has spent blocked in :meth:`EmulatedWork.wait` so far."""
+    with _blocked_lock:
+        return dict(_blocked_s)
 
 # How long past the process group's timeout a caller waits before declaring the emulator stuck
 # (the wrapped backend normally raises its own timeout error first).
@@ -47,6 +56,16 @@ class EmulatedWork(dist.Work):
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Block until the modeled time has passed and the real op is done (or time out)."""
+        start_s = time.monotonic()
+        try:
+            return self._wait(timeout)
+        finally:
+            elapsed_s = time.monotonic() - start_s
+            ident = threading.get_ident()
+            with _blocked_lock:
+                _blocked_s[ident] = _blocked_s.get(ident, 0.0) + elapsed_s
+
+    def _wait(self, timeout: timedelta | None) -> bool:
         b = self._booking
         limit_s = b.timeout_s + max(0.0, b.end_s - time.monotonic()) + _WAIT_SLACK_S
         if timeout is not None and timeout.total_seconds() > 0:

@@ -34,6 +34,7 @@ __all__ = [
     "EmulatedProcessGroup",
     "register_emulated_backend",
     "emulated_op_counts",
+    "emulated_bytes_by_tier",
     "jittered_s",
 ]
 
@@ -42,6 +43,7 @@ BACKEND_NAME = "emu"
 _state_lock = threading.Lock()
 _config: EmulatorConfig | None = None
 _total_counts: Counter[str] = Counter()
+_total_tier_bytes: dict[str, float] = {}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +77,24 @@ def emulated_op_counts() -> dict[str, int]:
     """Collectives issued through emulated groups in this process, by canonical op."""
     with _state_lock:
         return dict(_total_counts)
+
+
+def emulated_bytes_by_tier() -> dict[str, int]:
+    """Bytes this process sent through emulated groups, by the group's tier, under the ring model
+    the topology prices with: all_reduce 2(p-1)/p·n, all_gather / reduce_scatter / all_to_all
+    (p-1)/p·n (n = gathered output / unreduced input), broadcast and send/recv n, barrier 0."""
+    with _state_lock:
+        return {k: int(v) for k, v in _total_tier_bytes.items()}
+
+
+def _wire_bytes(op: str, num_bytes: int, p: int) -> float:
+    if p <= 1 or op == "barrier":
+        return 0.0
+    if op == "all_reduce":
+        return 2.0 * (p - 1) / p * num_bytes
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (p - 1) / p * num_bytes
+    return float(num_bytes)
 
 
 def _create_emulated_group(opts: Any, backend_options: Any) -> EmulatedProcessGroup:
@@ -192,6 +212,8 @@ class EmulatedProcessGroup(ProcessGroup):
         if count:
             with _state_lock:
                 _total_counts[op] += 1
+                _total_tier_bytes[self.tier_name] = _total_tier_bytes.get(self.tier_name, 0.0) + _wire_bytes(
+                    model_op, num_bytes, len(self._global_ranks))
         if self._coalescing is not None:
             self._coalescing.append((model_op, num_bytes))
             modeled_s = 0.0  # charged once, when the coalesced batch ends
