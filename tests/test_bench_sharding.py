@@ -51,6 +51,7 @@ def test_quick_sharding_suite_runs_all_four_and_two_stage_matches_hsdp(tmp_path)
     (["--optimizer", "adafactor"], "optimizer 'adafactor' is not elementwise"),
     (["--memory-budget", "1MiB"], "memory budget 1.00 MiB per rank is too small"),
     (["--model", "resnet50"], "unknown model 'resnet50' for --suite sharding"),
+    (["--max-grad-norm", "0"], "--max-grad-norm must be > 0, got 0.0: e.g. --max-grad-norm 1.0"),
 ])
 def test_bad_sharding_configuration_is_one_line_exit_2(args, expect, tmp_path):
     result = CliRunner().invoke(app, ["bench", "--suite", "sharding", "--work-dir", str(tmp_path / "w"), *args])

@@ -68,9 +68,12 @@ class ShardingBenchConfig:
     optimizer: str = "adamw"
     seed: int = 0
     memory_budget: str | None = None
+    max_grad_norm: float | None = None  # clip by global norm (clip_grad_norm_ / the executor's)
     profile_dir: str | None = None
 
     def __post_init__(self) -> None:
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ConfigError(f"--max-grad-norm must be > 0, got {self.max_grad_norm!r}: e.g. --max-grad-norm 1.0")
         for s in self.strategies:
             if s not in SHARDING_STRATEGIES:
                 raise ConfigError(f"unknown strategy {s!r} for --suite sharding: choose from "

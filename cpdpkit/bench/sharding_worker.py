@@ -72,7 +72,8 @@ def _setup(spec: dict[str, Any], model: torch.nn.Module):  # noqa: ANN202
     if strategy == "two-stage":
         from cpdpkit.planner.executor import TwoStageExecutor
 
-        ex = TwoStageExecutor(model, ShardingPlan.from_dict(spec["plan"]), factory)
+        ex = TwoStageExecutor(model, ShardingPlan.from_dict(spec["plan"]), factory,
+                              max_grad_norm=spec.get("max_grad_norm"))
 
         def step(x: torch.Tensor, y: torch.Tensor) -> float:
             ex.zero_grad()
@@ -92,11 +93,14 @@ def _setup(spec: dict[str, Any], model: torch.nn.Module):  # noqa: ANN202
             warnings.simplefilter("ignore")  # StateShardingNotApplied: expected here
             apply_plan(model, ShardingPlan.from_dict(spec["plan"]))
     opt = factory(model.parameters())
+    max_norm = spec.get("max_grad_norm")
 
     def step(x: torch.Tensor, y: torch.Tensor) -> float:
         opt.zero_grad()
         loss = model.loss(x, y)
         loss.backward()
+        if max_norm is not None:  # FSDP2's DTensor gradients: clip_grad_norm_ reduces the norm
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         opt.step()
         return float(loss.detach())
 

@@ -18,7 +18,7 @@ __all__ = ["run_sharding_suite"]
 
 def _config(given: set[str], *, quick: bool, steps: int, **kw: Any) -> ShardingBenchConfig:
     args: dict[str, Any] = {"steps": steps, "optimizer": kw["optimizer"], "memory_budget": kw["memory_budget"],
-                            "profile_dir": kw["profile"]}
+                            "max_grad_norm": kw["max_grad_norm"], "profile_dir": kw["profile"]}
     if "strategies" in given:
         args["strategies"] = tuple(s.strip() for s in kw["strategies"].split(",") if s.strip())
     for name in ("model", "world_size", "topology", "batch_size", "lr"):

@@ -66,6 +66,7 @@ def bench(
     steps: int = typer.Option(10, help="--suite sharding: timed steps (after 2 warm-up steps)."),
     optimizer: str = typer.Option("adamw", help="--suite sharding: adamw | adam | sgd."),
     memory_budget: str = typer.Option(None, help="--suite sharding: planner memory budget per rank, e.g. 64MiB."),
+    max_grad_norm: float = typer.Option(None, help="--suite sharding: clip gradients to this global norm."),
 ) -> None:
     """Train one workload under ddp, localsgd-torch, localsgd, slowmo and cpdp; compare them.
 
@@ -79,7 +80,8 @@ def bench(
                  if ctx.get_parameter_source(name).name != "DEFAULT"}
         run_sharding_suite(given=given, strategies=strategies, model=model, world_size=world_size,
                            topology=topology, batch_size=batch_size, lr=lr, steps=steps, optimizer=optimizer,
-                           memory_budget=memory_budget, quick=quick, profile=profile, json_out=json_out,
+                           memory_budget=memory_budget, max_grad_norm=max_grad_norm, quick=quick,
+                           profile=profile, json_out=json_out,
                            work_dir=work_dir)
         return
     if suite != "cpdp":
