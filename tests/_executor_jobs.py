@@ -9,7 +9,6 @@ trains the same model with FSDP2 HSDP (``apply_plan``, a whole-shard optimizer, 
 from __future__ import annotations
 
 import os
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -29,19 +28,9 @@ OPTIMIZERS = {
 
 def spawn(world_size: int, tmp_path: Path, plan: dict[str, Any], cases: list[dict[str, Any]], *, emulated: bool,
           timeout_s: float = 50.0) -> list[dict[str, Any]]:
-    import torch.multiprocessing as mp
-
     out = tmp_path / f"w{world_size}{'emu' if emulated else 'gloo'}"
     out.mkdir()
-    ctx = mp.start_processes(_entry, args=(world_size, str(out), plan, cases, emulated), nprocs=world_size,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError(f"{world_size} ranks did not finish in {timeout_s} s")
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+    return pj.run_spawned(_entry, (world_size, str(out), plan, cases, emulated), world_size, out, timeout_s)
 
 
 def _entry(rank: int, world_size: int, out: str, plan_dict: dict[str, Any], cases: list[dict[str, Any]],
@@ -121,19 +110,9 @@ def spawn_resume(world_size: int, tmp_path: Path, plan: dict[str, Any], cases: l
                  timeout_s: float = 25.0) -> list[dict[str, Any]]:
     """Per case: an uninterrupted run vs one saved with ``dcp.save`` after ``case["k"]`` steps and
     resumed into a fresh model/executor (another init) with ``dcp.load``."""
-    import torch.multiprocessing as mp
-
     out = tmp_path / f"resume{world_size}"
     out.mkdir()
-    ctx = mp.start_processes(_resume_entry, args=(world_size, str(out), plan, cases), nprocs=world_size,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError(f"{world_size} ranks did not finish in {timeout_s} s")
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+    return pj.run_spawned(_resume_entry, (world_size, str(out), plan, cases), world_size, out, timeout_s)
 
 
 def _resume_entry(rank: int, world_size: int, out: str, plan_dict: dict[str, Any],

@@ -65,12 +65,17 @@ def make_net() -> Net:
 
 def spawn(world_size: int, tmp_path: Path, cases: list[dict[str, Any]], *, emulated: bool,
           timeout_s: float = 100.0) -> list[dict[str, Any]]:
-    import torch.multiprocessing as mp
-
     out = tmp_path / f"w{world_size}{'emu' if emulated else 'gloo'}"
     out.mkdir()
-    ctx = mp.start_processes(_entry, args=(world_size, str(out), cases, emulated), nprocs=world_size,
-                             join=False, start_method="spawn")
+    return run_spawned(_entry, (world_size, str(out), cases, emulated), world_size, out, timeout_s)
+
+
+def run_spawned(entry: Any, args: tuple, world_size: int, out: Path, timeout_s: float) -> list[Any]:
+    """Start ``entry(rank, *args)`` on ``world_size`` spawned processes, kill them all after
+    ``timeout_s``, and return what each rank saved as ``out/rank<R>.pt``."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(entry, args=args, nprocs=world_size, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
         if time.monotonic() > deadline:

@@ -6,7 +6,6 @@ Each rank count is one spawned job (tests/_emu_jobs.py) shared by all tests of t
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest

@@ -8,7 +8,7 @@ import numpy as np
 import orjson
 import pytest
 
-from _trace_builder import (GLOO, annotation, cpu_op, cpu_scenario, kernel, launch, step, thread_name,
+from _trace_builder import (GLOO, annotation, cpu_scenario, kernel, launch, step, thread_name,
                             trace_doc, write_trace)
 from cpdpkit.profiler import analyze_trace, load_trace
 from cpdpkit.profiler import trace as trace_mod
