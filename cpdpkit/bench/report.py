@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 __all__ = ["StrategyResult", "BenchReport", "aggregate"]
@@ -118,8 +118,6 @@ def aggregate(config: dict[str, Any], runs: list[dict[str, Any]]) -> BenchReport
 def _with_delta(r: StrategyResult, base: StrategyResult) -> StrategyResult:
     if r.status != "ok":
         return r
-    from dataclasses import replace
-
     acc = (r.means["peak_test_acc"] - base.means["peak_test_acc"]) * 100.0
     wall = (r.means["wall_s"] / base.means["wall_s"] - 1.0) * 100.0
     return replace(r, delta_acc_pp=acc, delta_wall_pct=wall)

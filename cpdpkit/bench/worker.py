@@ -78,13 +78,14 @@ def _train(spec: RunSpec, runner: StrategyRunner, data: Dataset, run_dir: Path,
                 prof.step()
         train_s += time.perf_counter() - start
         h0 = time.perf_counter()
-        bad = torch.tensor([0.0 if math.isfinite(loss) and abs(loss) < _DIVERGED_LOSS else 1.0])
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        if bad.item() > 0:
+        # one collective for both: did any rank diverge, and the slowest rank's train time
+        bad = 0.0 if math.isfinite(loss) and abs(loss) < _DIVERGED_LOSS else 1.0
+        flags = torch.tensor([bad, train_s], dtype=torch.float64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[0].item() > 0:
             status, reason = "diverged", f"training loss became {loss:.4g} in epoch {epoch + 1}"
             break
-        wall = torch.tensor([train_s])
-        dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+        wall = flags[1]
         acc = _average_model_accuracy(runner.module, data, world)
         curve.append({"epoch": epoch + 1, "wall_s": float(wall), "test_acc": acc, "loss": loss})
         if rank == 0:
@@ -95,7 +96,7 @@ def _train(spec: RunSpec, runner: StrategyRunner, data: Dataset, run_dir: Path,
             "status": status, "reason": reason, "final_loss": loss}
 
 
-def _profiled(spec: RunSpec, rank: int):
+def _profiled(spec: RunSpec):
     import contextlib
 
     if spec.profile_dir is None:
@@ -124,11 +125,11 @@ def main(argv: list[str] | None = None) -> None:
     runner = build_strategy(spec.strategy, spec.period, module, lr=spec.lr,
                             momentum=spec.momentum, slowmo_momentum=spec.slowmo_momentum)
     setup_s = time.perf_counter() - t0
-    with _profiled(spec, rank) as prof:
+    with _profiled(spec) as prof:
         out = _train(spec, runner, data, run_dir, rank, world, prof)
-    meter = torch.tensor([runner.finish().exposed_s])
-    dist.all_reduce(meter, op=dist.ReduceOp.MAX)
     m = runner.finish()
+    meter = torch.tensor([m.exposed_s])
+    dist.all_reduce(meter, op=dist.ReduceOp.MAX)
     steps = max(out["steps"], 1)
     wall = max((p["wall_s"] for p in out["curve"]), default=out["train_s"])
     result = {

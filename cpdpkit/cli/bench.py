@@ -27,17 +27,13 @@ def _int_list(name: str, text: str) -> tuple[int, ...]:
         raise ConfigError(f"{name} {text!r} is not a comma-separated list of integers: e.g. {name} 2,4") from None
 
 
-def _config(**kw) -> BenchConfig:  # noqa: ANN003
+def _config(*, strategies_given: bool, periods_given: bool, **kw) -> BenchConfig:  # noqa: ANN003
     strategies = tuple(s.strip() for s in kw.pop("strategies").split(",") if s.strip())
     periods = _int_list("--periods", kw.pop("periods"))
-    if kw["quick"]:
+    if kw["quick"]:  # a smaller run, unless the user chose strategies/periods
         kw["epochs"] = min(kw["epochs"], 3)
-        if not kw.pop("strategies_given"):
-            strategies = ("ddp", "localsgd-torch", "cpdp")
-        if not kw.pop("periods_given"):
-            periods = (4,)
-    else:
-        kw.pop("strategies_given"), kw.pop("periods_given")
+        strategies = strategies if strategies_given else ("ddp", "localsgd-torch", "cpdp")
+        periods = periods if periods_given else (4,)
     return BenchConfig(strategies=strategies, periods=periods, **kw)
 
 

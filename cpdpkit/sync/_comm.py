@@ -41,7 +41,6 @@ class Communicator:
     def __init__(self, group: dist.ProcessGroup | None, *, timeout_s: float | None) -> None:
         self.group = group
         self.size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
         self.src = dist.get_global_rank(group, 0) if group is not None else 0
         self._timeout = None if timeout_s is None else timedelta(seconds=float(timeout_s))
         self.collectives = 0

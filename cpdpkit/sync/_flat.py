@@ -80,6 +80,10 @@ class FlatParameters:
     def numel(self) -> int:
         return sum(seg.flat.numel() for seg in self.segments)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(seg.flat.numel() * seg.flat.element_size() for seg in self.segments)
+
     def layout(self) -> list[list[int]]:
         """Numels per segment, to check that a checkpoint fits this model."""
         return [[p.numel() for p in seg.params] for seg in self.segments]

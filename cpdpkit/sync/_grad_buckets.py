@@ -128,9 +128,6 @@ class GradientBuckets:
             bucket.launched = True
 
     # -- in step() -----------------------------------------------------------------------
-    def pending(self) -> bool:
-        return any(b.launched for b in self._buckets)
-
     @torch.no_grad()
     def finish(self, comm: Communicator) -> None:
         """Launch buckets backward did not complete, wait for all, write gradients back.
@@ -153,11 +150,4 @@ class GradientBuckets:
                 else:
                     p.grad.copy_(view)
             bucket.ready, bucket.launched, bucket.work, bucket.comm = 0, False, None, None
-            bucket.ready_ids.clear()
-
-    def reset(self) -> None:
-        """Forget readiness from a backward whose step does not synchronise (no launch)."""
-        for bucket in self._buckets:
-            assert not bucket.launched
-            bucket.ready = 0
             bucket.ready_ids.clear()

@@ -291,12 +291,13 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
                 loss = closure()
         n = self._step + 1
         kind = self.config.step_kind(n)
+        syncs = self.config.syncs_gradients(n)
         target = self._gradient_target()
         if self._buckets is not None and target is not None:
             self._buckets.finish(target)
-        elif self._ddp is not None and self.config.syncs_gradients(n):
-            self._extra_bytes += sum(p.numel() * p.element_size() for p in self._params)
-        if self.config.syncs_gradients(n):
+        elif self._ddp is not None and syncs:  # DDP's reducer sent them; count its payload
+            self._extra_bytes += self._flat.nbytes
+        if syncs:
             self._counts["gradient_syncs"] += 1
         self.optim.step()
         if kind is StepKind.RECONCILE:

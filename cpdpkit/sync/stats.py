@@ -34,12 +34,3 @@ class SyncStats:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SyncStats:
         return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
-
-    def per_step(self) -> dict[str, float]:
-        """Means per optimizer step (what benchmarks report)."""
-        steps = max(self.steps, 1)
-        return {
-            "collectives_per_step": self.collectives / steps,
-            "bytes_per_step": self.bytes_sent / steps,
-            "blocked_s_per_step": self.blocked_s / steps,
-        }
