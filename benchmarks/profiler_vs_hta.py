@@ -23,6 +23,8 @@ from pathlib import Path
 
 import orjson
 
+from cpdpkit.profiler import find_trace_files
+
 ROOT = Path(__file__).resolve().parents[1]
 
 _CHILD = r"""
@@ -55,13 +57,14 @@ print(json.dumps({"seconds": seconds, "tracemalloc_peak_bytes": peak, "rss_growt
 
 
 def _uncompressed_bytes(folder: Path) -> int:
+    """Uncompressed size of the trace files ``analyze`` reads in ``folder``."""
     total = 0
-    for f in folder.iterdir():
-        if f.name.endswith(".json.gz"):
+    for f in map(Path, find_trace_files(folder)):
+        if f.name.endswith(".gz"):
             with gzip.open(f, "rb") as fh:
                 while chunk := fh.read(1 << 24):
                     total += len(chunk)
-        elif f.name.endswith(".json") and f.name != "run.json":
+        else:
             total += f.stat().st_size
     return total
 

@@ -29,7 +29,6 @@ _Int = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
 _Int32 = Annotated[int, msgspec.Meta(ge=-(1 << 31), le=(1 << 31) - 1)]
 
 
-
 class Args(msgspec.Struct, gc=False):
     """The ``args`` entries the profiler reads (``name`` is a thread name's label)."""
 

@@ -110,9 +110,8 @@ def _stream_array(fh: BinaryIO, buf: bytes, path: str, chunk: int, on_batch: Bat
             buf += more
             continue
         pos = _WS.match(buf).end()
-        if not first:
-            if pos < len(buf) and buf[pos : pos + 1] == b",":
-                pos = _WS.match(buf, pos + 1).end()
+        if not first and buf[pos : pos + 1] == b",":
+            pos = _WS.match(buf, pos + 1).end()
         if buf[pos : pos + 1] == b"]":
             return buf[pos + 1 :]
         events, cut = _parse_prefix(buf, pos, parse)

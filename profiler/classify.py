@@ -47,7 +47,6 @@ KINDS: tuple[str, ...] = (
     "send_recv",
     "other",
 )
-_KIND_INDEX = {k: i for i, k in enumerate(KINDS)}
 
 # Holistic Trace Analysis 0.5.0's kernel rules (hta/utils/utils.py), reproduced verbatim.
 _NCCL_KERNEL = re.compile(r"^nccl.*Kernel")
@@ -143,11 +142,6 @@ def classify_name(name: str) -> NameClass:
     return NameClass(gpu_role, cpu_role, kind, cpu_kind, reads)
 
 
-def kind_index(kind: str) -> int:
-    """Position of a canonical kind in :data:`KINDS`."""
-    return _KIND_INDEX[kind]
-
-
 @dataclass(frozen=True)
 class EmuLabel:
     """Fields of a ``cpdpkit::emu::<op>[bytes=..,tier=..,ranks=..,modeled_us=..]`` name."""
@@ -190,7 +184,7 @@ def parse_emu_label(name: str) -> EmuLabel | None:
         elif fields and "ranks" in fields and item.strip():
             fields["ranks"] += "," + item.strip()  # ranges contain commas: ranks=0-3,8-11
     op = m.group("op")
-    kind = op if op in _KIND_INDEX else canonical_kind(op)
+    kind = op if op in KINDS else canonical_kind(op)
 
     def num(key: str, cast: type) -> float | int | None:
         try:

@@ -68,15 +68,17 @@ PARTIAL_STEP_FRACTION = 0.1
 
 def _per_name(trace: RankTrace, attr: str, values: Iterable[str]) -> np.ndarray:
     wanted = set(values)
-    table = np.array([getattr(c, attr) in wanted for c in trace.name_classes], dtype=bool)
-    return table[trace.name_id] if table.size else np.zeros(trace.num_events, dtype=bool)
+    return np.array([getattr(c, attr) in wanted for c in trace.name_classes], dtype=bool)[trace.name_id]
+
+
+def _is_cpu_op(trace: RankTrace) -> np.ndarray:
+    return np.array([c in _CPU_OP_CATS for c in trace.cats], dtype=bool)[trace.cat_id]
 
 
 def _training_thread(trace: RankTrace, on_cpu: np.ndarray, step_rows: np.ndarray) -> int | None:
     if step_rows.size:
         return int(Counter(trace.thread_id[step_rows].tolist()).most_common(1)[0][0])
-    cpu_op_ids = [i for i, c in enumerate(trace.cats) if c in _CPU_OP_CATS]
-    rows = np.flatnonzero(on_cpu & np.isin(trace.cat_id, cpu_op_ids))
+    rows = np.flatnonzero(on_cpu & _is_cpu_op(trace))
     if not rows.size:
         return None
     busy = np.bincount(trace.thread_id[rows], weights=trace.end_us[rows] - trace.start_us[rows])
@@ -96,10 +98,10 @@ def _steps(trace: RankTrace, thread: int | None, step_rows: np.ndarray) -> list[
 
 
 def _kinds_of(trace: RankTrace, rows: np.ndarray) -> np.ndarray:
-    gpu_table = np.array([c.kind or "other" for c in trace.name_classes], dtype=object)
-    cpu_table = np.array([c.cpu_kind or "other" for c in trace.name_classes], dtype=object)
     if not rows.size:
         return np.empty(0, dtype=object)
+    gpu_table = np.array([c.kind or "other" for c in trace.name_classes], dtype=object)
+    cpu_table = np.array([c.cpu_kind or "other" for c in trace.name_classes], dtype=object)
     nid = trace.name_id[rows]
     kinds = np.where(trace.stream[rows] != -1, gpu_table[nid], cpu_table[nid])
     for i, row in enumerate(rows.tolist()):
@@ -193,12 +195,14 @@ def _step_index(anchor: np.ndarray, steps: list[tuple[int, float, float]]) -> np
     return np.where(inside, idx, -1)
 
 
-def _hta_kept(trace: RankTrace, rows: np.ndarray, steps: list[tuple[int, float, float]]) -> np.ndarray:
+def _hta_kept(
+    trace: RankTrace, rows: np.ndarray, anchor: np.ndarray, found: np.ndarray, steps: list[tuple[int, float, float]]
+) -> np.ndarray:
     """HTA's filter: with two or more steps, keep GPU work launched before the last step
-    starts (the last step may be cut off by the end of the trace); CPU rows by their start."""
+    starts (the last step may be cut off by the end of the trace); CPU rows by their start.
+    ``anchor``/``found`` are :func:`_launch_us` of ``rows``."""
     if len(steps) < 2:
         return np.ones(rows.size, dtype=bool)
-    anchor, found = _launch_us(trace, rows)
     on_cpu = trace.stream[rows] == -1
     return (found | on_cpu) & (anchor < steps[-1][1])
 
@@ -236,16 +240,17 @@ def _steps_cpu(
 
 
 def _steps_gpu(
-    trace: RankTrace,
     steps: list[tuple[int, float, float]],
     compute_rows: np.ndarray,
+    compute_anchor: np.ndarray,
     comm_rows: np.ndarray,
+    comm_anchor: np.ndarray,
     kinds: np.ndarray,
     s_all: np.ndarray,
     e_all: np.ndarray,
 ) -> list[StepReport]:
-    comm_step = _step_index(_launch_us(trace, comm_rows)[0], steps)
-    compute_step = _step_index(_launch_us(trace, compute_rows)[0], steps)
+    comm_step = _step_index(comm_anchor, steps)
+    compute_step = _step_index(compute_anchor, steps)
     compute = iv.merge(s_all[compute_rows], e_all[compute_rows])
     partial = [False] * (len(steps) - 1) + [len(steps) >= 2]
     out = []
@@ -273,14 +278,14 @@ def _cpu_timeline(
     if thread is None:
         return iv.EMPTY, none, none, np.empty(0, dtype=np.int64), none
     on_thread = (trace.thread_id == thread) & (trace.stream == -1)
-    cpu_op_ids = [i for i, c in enumerate(trace.cats) if c in _CPU_OP_CATS]
-    ops = np.flatnonzero(on_thread & np.isin(trace.cat_id, cpu_op_ids) & role({"cpu"}))
+    is_op = _is_cpu_op(trace)
+    ops = np.flatnonzero(on_thread & is_op & role({"cpu"}))
     comm_here = np.flatnonzero(on_thread & role(_TRAINING_COMM_ROLES))
     s, e = trace.start_us, trace.end_us
     blocked = iv.merge(s[comm_here], e[comm_here])
     # the thread's other events (ProfilerStep#N, record_function labels) show it running at
     # their edges: zero-length marks split gaps there, so a wait ends at its step's end
-    marks = np.flatnonzero(on_thread & ~np.isin(trace.cat_id, cpu_op_ids))
+    marks = np.flatnonzero(on_thread & ~is_op)
     edges = np.concatenate([s[marks], e[marks]])
     active = iv.union(iv.merge(s[ops], e[ops]), blocked, iv.merge(edges, edges))
     wait_s, wait_e, wait_rows = none, none, np.empty(0, dtype=np.int64)
@@ -312,21 +317,25 @@ def _whole_us(trace: RankTrace, on_gpu: np.ndarray) -> tuple[np.ndarray, np.ndar
 
 
 def _gpu_analysis(trace, steps, on_gpu, gpu_comm, gpu_compute, role):  # type: ignore[no-untyped-def]
-    """GPU mode: (label rows, comm starts, comm ends, compute, step reports)."""
+    """GPU mode: (label rows, their kinds, comm starts, comm ends, compute, step reports)."""
     s_all, e_all = _whole_us(trace, on_gpu)
     all_comm = np.flatnonzero(gpu_comm | role({"emu"}))
     all_compute = np.flatnonzero(gpu_compute)
-    comm_rows = all_comm[_hta_kept(trace, all_comm, steps)]
-    compute_rows = all_compute[_hta_kept(trace, all_compute, steps)]
+    comm_anchor, comm_found = _launch_us(trace, all_comm)
+    compute_anchor, compute_found = _launch_us(trace, all_compute)
+    all_kinds = _kinds_of(trace, all_comm)
+    comm_kept = _hta_kept(trace, all_comm, comm_anchor, comm_found, steps)
+    comm_rows = all_comm[comm_kept]
+    compute_rows = all_compute[_hta_kept(trace, all_compute, compute_anchor, compute_found, steps)]
     compute = iv.merge(s_all[compute_rows], e_all[compute_rows])
     step_reports = (
-        _steps_gpu(trace, steps, all_compute, all_comm, _kinds_of(trace, all_comm), s_all, e_all) if steps else []
+        _steps_gpu(steps, all_compute, compute_anchor, all_comm, comm_anchor, all_kinds, s_all, e_all) if steps else []
     )
-    return comm_rows, s_all[comm_rows], e_all[comm_rows], compute, step_reports
+    return comm_rows, all_kinds[comm_kept], s_all[comm_rows], e_all[comm_rows], compute, step_reports
 
 
 def _cpu_analysis(trace, steps, thread, role):  # type: ignore[no-untyped-def]
-    """CPU mode: (label rows, comm starts, comm ends, compute, step reports)."""
+    """CPU mode: (label rows, their kinds, comm starts, comm ends, compute, step reports)."""
     compute, wait_s, wait_e, wait_rows, op_starts = _cpu_timeline(trace, thread, role)
     rows = np.flatnonzero(role(_CPU_COMM_ROLES))
     label_rows = np.concatenate([rows, wait_rows])
@@ -338,7 +347,7 @@ def _cpu_analysis(trace, steps, thread, role):  # type: ignore[no-untyped-def]
         sel = kinds == kind
         sets[kind] = _split(cs[sel], ce[sel], compute)
     step_reports = _steps_cpu(steps, compute, sets, op_starts) if steps else []
-    return label_rows, cs, ce, compute, step_reports
+    return label_rows, kinds, cs, ce, compute, step_reports
 
 
 def analyze_trace(trace: RankTrace, *, rank: int | None = None) -> RankReport:
@@ -351,16 +360,14 @@ def analyze_trace(trace: RankTrace, *, rank: int | None = None) -> RankReport:
     def role(roles: Iterable[str]) -> np.ndarray:
         return ~on_gpu & _per_name(trace, "cpu_role", roles)
 
-    step_table = np.array([bool(_STEP.match(n)) for n in trace.names], dtype=bool)
-    is_step = step_table[trace.name_id] if step_table.size else np.zeros(trace.num_events, bool)
+    is_step = np.array([bool(_STEP.match(n)) for n in trace.names], dtype=bool)[trace.name_id]
     step_rows = np.flatnonzero(is_step & ~on_gpu)
     thread = _training_thread(trace, ~on_gpu, step_rows)
     steps = _steps(trace, thread, step_rows)
     if mode == "gpu":
-        rows, cs, ce, compute, step_reports = _gpu_analysis(trace, steps, on_gpu, gpu_comm, gpu_compute, role)
+        rows, kinds, cs, ce, compute, step_reports = _gpu_analysis(trace, steps, on_gpu, gpu_comm, gpu_compute, role)
     else:
-        rows, cs, ce, compute, step_reports = _cpu_analysis(trace, steps, thread, role)
-    kinds = _kinds_of(trace, rows)
+        rows, kinds, cs, ce, compute, step_reports = _cpu_analysis(trace, steps, thread, role)
     groups = _process_groups(trace)
     pgs, tiers = _labels(trace, rows, groups)
     total = _totals(*_split(cs, ce, compute))

@@ -11,6 +11,7 @@ file or folder becomes a :class:`TraceIssue` and never hides the other results.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -134,9 +135,8 @@ def analyze(paths: Iterable[str | os.PathLike[str]]) -> OverlapReport:
     """Analyse run folders, trace files, or folders of run folders into one report.
 
     Run names are the ``strategy`` from ``run.json`` (with ``K=<period>`` when it names one,
-    except for ddp),
-    else the folder name; a repeated
-    name gets the folder appended (``ddp (runs/b)``).
+    except for ddp), else the folder name; a repeated name gets the folder appended
+    (``ddp (runs/b)``).
     """
     runs, issues = expand_paths(paths)
     reports: list[RunReport] = []
@@ -147,14 +147,7 @@ def analyze(paths: Iterable[str | os.PathLike[str]]) -> OverlapReport:
         if report is None:
             continue
         if report.name in seen:
-            report = RunReport(
-                name=f"{report.name} ({run_path})",
-                path=report.path,
-                strategy=report.strategy,
-                run_info=report.run_info,
-                ranks=report.ranks,
-                summary=report.summary,
-            )
+            report = dataclasses.replace(report, name=f"{report.name} ({run_path})")
         seen.add(report.name)
         reports.append(report)
     return OverlapReport(runs=tuple(reports), errors=tuple(issues))

@@ -172,8 +172,7 @@ class _Columns:
             if nid in comm_nids:
                 args = b.args[i]
                 if args is not None:
-                    self._comm_args(row0 + i, {"Collective name": args.collective,
-                                               "Process Group Name": args.process_group})
+                    self._comm_args(row0 + i, args.collective, args.process_group)
 
     def _add_checked(self, events: list[Any], first_index: int) -> None:  # noqa: C901 - hot loop
         name_ids, classes, cat_ids, thread_ids = self.name_ids, self.classes, self.cat_ids, self.thread_ids
@@ -212,8 +211,8 @@ class _Columns:
             cat = e.get("cat")
             cid = cat_ids.get(cat)
             if cid is None:
-                cid = cat_ids[cat] = len(self.cats)
-                self.cats.append(cat if isinstance(cat, str) else "")
+                cid = len(self.cats)
+                self._new_cat(cat)
             args = e.get("args")
             stream, corr = -1, -1
             if args is not None:
@@ -226,7 +225,7 @@ class _Columns:
                 if type(c) is int:
                     corr = c
                 if classes[nid].reads_comm_args:
-                    self._comm_args(len(ts_a), args)
+                    self._comm_args(len(ts_a), args.get("Collective name"), args.get("Process Group Name"))
             ts_a.append(ts)
             dur_a.append(dur)
             nid_a.append(nid)
@@ -239,21 +238,20 @@ class _Columns:
         for part, value in zip(("pid", "tid"), key):
             if type(value) not in (int, str):
                 raise self._field_error(index, event, part, "an integer or a string")
-        tid = self.thread_ids[key] = len(self.threads)
-        self.threads.append(key)
+        tid = len(self.threads)
+        self._new_key(key)
         return tid
 
-    def _comm_args(self, row: int, args: dict) -> None:
-        coll = args.get("Collective name")
+    def _comm_args(self, row: int, coll: Any, pg: Any) -> None:
+        """Record a comm event's ``Collective name`` and ``Process Group Name`` arguments."""
         if isinstance(coll, str) and coll:
             self.comm_kind[row] = canonical_kind(coll)
-        pg = args.get("Process Group Name")
         if isinstance(pg, (str, int)) and pg != "":
             self.pg_name[row] = str(pg)
 
     def finish(self, meta: dict[str, Any], rank: int | None) -> RankTrace:
-        ts = np.frombuffer(self.ts, dtype=np.float64) if len(self.ts) else np.empty(0)
-        dur = np.frombuffer(self.dur, dtype=np.float64) if len(self.dur) else np.empty(0)
+        ts = np.frombuffer(self.ts, dtype=np.float64)
+        dur = np.frombuffer(self.dur, dtype=np.float64)
         origin = float(ts.min()) if ts.size else 0.0
         start = ts - origin
         thread_names = {

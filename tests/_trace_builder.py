@@ -57,7 +57,7 @@ def trace_doc(events: list[dict], *, rank: int = 0, world_size: int = 2,
     }
 
 
-def write_trace(path: Path, doc: dict | list | str | bytes, *, gz: bool | None = None, indent: int | None = 1) -> Path:
+def write_trace(path: Path, doc: dict | list | str | bytes, *, gz: bool | None = None) -> Path:
     """Write ``doc`` (an object, or raw text/bytes) as ``path``; gzip when the name ends in .gz."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -66,7 +66,7 @@ def write_trace(path: Path, doc: dict | list | str | bytes, *, gz: bool | None =
     elif isinstance(doc, str):
         data = doc.encode()
     else:
-        data = json.dumps(doc, indent=indent).encode()
+        data = json.dumps(doc, indent=1).encode()
     if gz if gz is not None else path.name.endswith(".gz"):
         data = gzip.compress(data)
     path.write_bytes(data)

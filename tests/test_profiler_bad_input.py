@@ -86,7 +86,8 @@ def test_bad_rank_does_not_lose_the_others(tmp_path: Path) -> None:
     write_trace(run / "rank0.pt.trace.json", cpu_scenario(0))
     write_trace(run / "rank1.pt.trace.json", "{not json")
     write_trace(run / "rank2.pt.trace.json.gz", cpu_scenario(2))
-    report = analyze([run, tmp_path / "missing", tmp_path / "empty"] if (tmp_path / "empty").mkdir() is None else [])
+    (tmp_path / "empty").mkdir()
+    report = analyze([run, tmp_path / "missing", tmp_path / "empty"])
     (r,) = report.runs
     assert [k.rank for k in r.ranks] == [0, 2]
     errors = {e.path: e.error for e in report.errors}

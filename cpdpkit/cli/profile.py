@@ -18,7 +18,7 @@ from rich.table import Table
 
 from cpdpkit.cli.app import EXIT_USER_ERROR, app, err_console, out_console
 from cpdpkit.errors import ConfigError
-from cpdpkit.profiler import OverlapReport, RunReport, analyze
+from cpdpkit.profiler import OverlapReport, RunReport, StepReport, analyze
 
 __all__ = ["profile", "render_summary_table", "render_step_table", "write_plot", "pick_baseline"]
 
@@ -89,9 +89,12 @@ def render_step_table(report: OverlapReport) -> Table:
                           ("overlap %", "right"), ("max exposed (rank)", "right")):
         table.add_column(head, justify=justify)  # type: ignore[arg-type]
     for run in report.runs:
-        numbers = sorted({s.step for r in run.ranks for s in r.steps})
-        for num in numbers:
-            rows = [(r.rank, s) for r in run.ranks for s in r.steps if s.step == num]
+        by_step: dict[int, list[tuple[int, StepReport]]] = {}
+        for r in run.ranks:
+            for s in r.steps:
+                by_step.setdefault(s.step, []).append((r.rank, s))
+        for num in sorted(by_step):
+            rows = by_step[num]
             n = len(rows)
             mean = {k: sum(getattr(s, k) for _, s in rows) / n
                     for k in ("duration_us", "compute_us", "comm_us", "exposed_us", "hidden_us")}
@@ -149,8 +152,8 @@ def profile(
 ) -> None:
     """Exposed vs hidden communication per run, from PyTorch profiler traces."""
     report = analyze(run_dirs)
-    base = pick_baseline(report, baseline) if report.runs else None
     if report.runs:
+        base = pick_baseline(report, baseline)
         out_console.print(render_summary_table(report, base))
         if per_step:
             out_console.print(render_step_table(report))
