@@ -26,8 +26,8 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", 
 SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
 
 
-def _issue(op: str, num_bytes: int, world: int) -> Callable[[], Any]:
-    n = max(world, num_bytes // 4 // world * world)
+def _issue(op: str, n: int, world: int) -> Callable[[], Any]:
+    """The call that runs ``op`` once on ``n`` float32 elements (``n`` a multiple of ``world``)."""
     x = torch.ones(n)
     out = torch.empty(n)
     if op == "all_reduce":
@@ -52,8 +52,9 @@ def _worker(rank: int, world: int, store: str, topology: str, repeats: int, out:
     rows = []
     for op in OPS:
         for num_bytes in (0,) if op == "barrier" else SIZES:
-            fn = _issue(op, num_bytes, world)
-            real_bytes = (max(world, num_bytes // 4 // world * world) * 4) if op != "barrier" else 0
+            n = max(world, num_bytes // 4 // world * world)
+            fn = _issue(op, n, world)
+            real_bytes = 4 * n if op != "barrier" else 0
             fn()  # warm-up
             times = []
             for _ in range(repeats):

@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ns = _parse(argv)
     if ns.py_spy is not None and not os.environ.get(_UNDER_PY_SPY):
-        return _record(_rerun_under_py_spy)(ns, [a for a in argv])
+        return _record(_rerun_under_py_spy)(ns, argv)
     code = 1
     try:
         _record(_run_with_profile if ns.profile else (lambda n: _run_script(n.script, n.args)))(ns)

@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -217,8 +217,7 @@ def launch(config: LaunchConfig, script: str, args: Sequence[str] = ()) -> Launc
         return result
     rank, proc = failure
     error, tail = _describe_failure(rank, proc, log_dir)
-    return LaunchResult(**{**{f.name: getattr(result, f.name) for f in fields(result)},
-                           "failed_rank": rank, "error": error, "traceback_tail": tail})
+    return replace(result, failed_rank=rank, error=error, traceback_tail=tail)
 
 
 def _files(folder: str | None, suffix: str) -> tuple[str, ...]:

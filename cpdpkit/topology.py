@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import math
 import tomllib
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -119,7 +119,7 @@ class Tier:
             )
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return asdict(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,7 +134,7 @@ class CollectiveCost:
     time_s: float
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return asdict(self)
 
 
 def _check_number(path: str, value: Any, *, minimum: float | None = None, positive: bool = False) -> None:
@@ -271,21 +271,23 @@ class Topology:
             )
         return self.ranks_per_node, self.nodes_per_site, self.num_sites  # type: ignore[return-value]
 
-    def _check_rank(self, rank: int) -> None:
-        world = self.world_size
-        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world:  # type: ignore[operator]
-            raise TopologyError(
-                f"rank {rank!r} is outside topology {self.name!r} (world size {world}); use 0..{world - 1}"  # type: ignore[operator]
-            )
+    def _placed_ranks(self, ranks: Iterable[int]) -> tuple[int, int, int]:
+        """The placement counts, once every one of ``ranks`` is checked to be a rank of this topology."""
+        placement = self._require_placed()
+        world = math.prod(placement)
+        for rank in ranks:
+            if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world:
+                raise TopologyError(
+                    f"rank {rank!r} is outside topology {self.name!r} (world size {world}); use 0..{world - 1}"
+                )
+        return placement
 
     def node_of(self, rank: int) -> int:
-        rpn, _, _ = self._require_placed()
-        self._check_rank(rank)
+        rpn, _, _ = self._placed_ranks((rank,))
         return rank // rpn
 
     def site_of(self, rank: int) -> int:
-        rpn, nps, _ = self._require_placed()
-        self._check_rank(rank)
+        rpn, nps, _ = self._placed_ranks((rank,))
         return rank // (rpn * nps)
 
     # ---- tiers -----------------------------------------------------------------------------
@@ -301,12 +303,12 @@ class Topology:
 
     def tier_between(self, a: int, b: int) -> Tier | None:
         """The tier of the link between ranks ``a`` and ``b`` (``None`` when a == b)."""
+        rpn, nps, _ = self._placed_ranks((a, b))
         if a == b:
-            self._check_rank(a) if self.is_placed else self._require_placed()
             return None
-        if self.site_of(a) != self.site_of(b):
+        if a // (rpn * nps) != b // (rpn * nps):
             return self.tier(self.inter_site_tier)  # type: ignore[arg-type]
-        if self.node_of(a) != self.node_of(b):
+        if a // rpn != b // rpn:
             return self.tier(self.inter_node_tier)  # type: ignore[arg-type]
         return self.tier(self.intra_node_tier)
 
@@ -316,12 +318,13 @@ class Topology:
         Slowest means the lowest bandwidth, then the highest latency.
         """
         members = sorted(set(ranks))
-        if len(members) < 2:
-            for r in members:
-                self._check_rank(r) if self.is_placed else self._require_placed()
+        if not members:
             return None
-        nodes = {self.node_of(r) for r in members}
-        sites = {self.site_of(r) for r in members}
+        rpn, nps, _ = self._placed_ranks(members)
+        if len(members) == 1:
+            return None
+        nodes = {r // rpn for r in members}
+        sites = {r // (rpn * nps) for r in members}
         crossed: list[Tier] = []
         if len(sites) > 1:
             crossed.append(self.tier(self.inter_site_tier))  # type: ignore[arg-type]
@@ -419,7 +422,6 @@ def alpha_beta_time_s(op: str, num_bytes: int, p: int, latency_s: float, bandwid
     if op == "barrier":
         return "dissemination", log_p * a
     raise TopologyError(f"op = {op!r} is not a modeled collective; use one of {', '.join(COLLECTIVE_OPS)}")
-
 
 
 # ---- presets -----------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Multi-process jobs for tests/test_emulator*.py (spawned once, checked by several tests).
 
 Each job runs on every rank, with the default process group on the emulated backend and a
-plain gloo group beside it for references and fast barriers, and writes ``rank<R>.json``.
+plain gloo group beside it for references and fast barriers, and saves ``rank<R>.pt``.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -18,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch._C._profiler import _ExperimentalConfig
 
-from cpdpkit.emulator import emulated_op_counts, init_distributed
+import _planner_jobs as pj
+from cpdpkit.emulator import blocked_s_by_thread, emulated_bytes_by_tier, emulated_op_counts, init_distributed
 from cpdpkit.topology import Tier, Topology
 
 # Modeled times of 30-145 ms (latency and bandwidth terms both matter) dwarf gloo's own time and CPU noise.
@@ -41,19 +43,9 @@ NUM_TIMED_RUNS = 5
 
 def spawn_job(job: str, world_size: int, tmp_path: Path, timeout_s: float = 150.0) -> list[dict[str, Any]]:
     """Run ``job`` on ``world_size`` spawned ranks and return each rank's result."""
-    import torch.multiprocessing as mp
-
     out = tmp_path / job
     out.mkdir()
-    ctx = mp.start_processes(_entry, args=(job, world_size, str(out)), nprocs=world_size, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError(f"job {job} did not finish in {timeout_s} s")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
+    return pj.run_spawned(_entry, (job, world_size, str(out)), world_size, out, timeout_s)
 
 
 def _entry(rank: int, job: str, world_size: int, out: str) -> None:
@@ -63,7 +55,7 @@ def _entry(rank: int, job: str, world_size: int, out: str) -> None:
     gloo = dist.new_group(backend="gloo")
     result = JOBS[job](rank, world_size, gloo, out)
     result["op_counts"] = emulated_op_counts()
-    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    torch.save(result, Path(out, f"rank{rank}.pt"))
     dist.barrier(gloo)
     dist.destroy_process_group()
 
@@ -79,9 +71,9 @@ def _timed(op: Callable[[], Any], gloo: Any) -> float:
     return statistics.median(times)
 
 
-def collective_times(world: int, timing_group: Any, op_group: Any = None, num_bytes: int = TIMED_BYTES) -> dict[str, float]:
-    """Median seconds of all_reduce, all_gather and reduce_scatter of ``num_bytes`` on ``op_group``."""
-    gloo = timing_group
+def collective_times(world: int, gloo: Any, op_group: Any = None, num_bytes: int = TIMED_BYTES) -> dict[str, float]:
+    """Median seconds of all_reduce, all_gather and reduce_scatter of ``num_bytes`` on ``op_group``
+    (timed between barriers on ``gloo``)."""
     n = num_bytes // 4
     x = torch.ones(n)
     gathered = torch.empty(n)
@@ -234,14 +226,20 @@ def profiler_events(rank: int, out: str) -> dict[str, Any]:
         emu = [e for e in trace["traceEvents"] if e.get("name", "").startswith("cpdpkit::emu::")]
         found[mode] = [{"name": e["name"], "dur_us": e["dur"], "cat": e.get("cat"),
                         "thread": names.get((e.get("pid"), e.get("tid")), str(e.get("tid"))),
-                        "on_issuing_thread": e.get("tid") == threading_native_id()} for e in emu]
+                        "on_issuing_thread": e.get("tid") == threading.get_native_id()} for e in emu]
     return found
 
 
-def threading_native_id() -> int:
-    import threading
-
-    return threading.get_native_id()
+def counters(gloo: Any) -> dict[str, Any]:
+    """What one synchronous 1 MiB all-reduce adds to the per-tier byte and blocked-time counters."""
+    x = torch.ones(TIMED_BYTES // 4)
+    me = threading.get_ident()
+    dist.barrier(gloo)
+    bytes0, blocked0 = emulated_bytes_by_tier(), blocked_s_by_thread().get(me, 0.0)
+    dist.all_reduce(x)
+    bytes1 = emulated_bytes_by_tier()
+    return {"tier_bytes": {t: bytes1[t] - bytes0.get(t, 0) for t in bytes1},
+            "blocked_s": blocked_s_by_thread().get(me, 0.0) - blocked0}
 
 
 def collective_timeout(rank: int) -> dict[str, Any]:
@@ -264,6 +262,7 @@ def job_two_ranks(rank: int, world: int, gloo: Any, out: str) -> dict[str, Any]:
     result.update(ddp_and_allreduce_identical(rank, world, gloo))
     result.update(every_path(rank, world))
     result["profiler"] = profiler_events(rank, out)
+    result.update(counters(gloo))
     result.update(collective_timeout(rank))
     return result
 

@@ -99,6 +99,13 @@ def test_profiler_event_follows_the_contract(two: list[dict[str, Any]]) -> None:
         assert rank["profiler"]["default"][0]["on_issuing_thread"]
 
 
+def test_counters_see_one_all_reduce(two: list[dict[str, Any]]) -> None:
+    modeled = _modeled_s("all_reduce", 2, jobs.TIMED_BYTES)
+    for rank in two:
+        assert rank["tier_bytes"] == {"WAN": jobs.TIMED_BYTES}  # ring all-reduce: 2(p-1)/p·n = n on 2 ranks
+        assert modeled * 0.9 <= rank["blocked_s"] <= modeled * 1.2, (rank["blocked_s"], modeled)
+
+
 def test_collective_times_out_instead_of_hanging(two: list[dict[str, Any]]) -> None:
     rank0 = two[0]
     assert rank0["timeout_error"] and "Timed out" in rank0["timeout_error"]

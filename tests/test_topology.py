@@ -65,8 +65,8 @@ def test_lan_is_one_node_of_any_size() -> None:
 
 @pytest.mark.parametrize("p", [2, 3, 4, 8])
 def test_alpha_beta_formulas(p: int) -> None:
-    topo = preset("wan", world_size=2 * p) if p > 1 else None
-    ranks = [0] + [topo.ranks_per_node * 1 + i for i in range(p - 1)]  # rank 0 + p-1 ranks on site 1
+    topo = preset("wan", world_size=2 * p)
+    ranks = [0] + [topo.ranks_per_node + i for i in range(p - 1)]  # rank 0 + p-1 ranks on site 1
     assert topo.tier_of(ranks).name == "WAN"
     n = 4 * MIB
     log_p = math.ceil(math.log2(p))
@@ -157,6 +157,12 @@ latency_s = 1e-4
 bandwidth_bytes_per_s = 1e9
 """
 
+
+def _bad_base(old: str, new: str):
+    """Parsing BASE with ``old`` replaced by ``new`` (as file t.toml)."""
+    return lambda: parse_topology_toml(BASE.replace(old, new), source="t.toml")
+
+
 ERRORS = [
     (lambda: preset("moon"), "unknown topology preset 'moon'; use one of lan, wan, cluster or a path to a .toml file"),
     (lambda: preset("wan", world_size=3),
@@ -184,17 +190,17 @@ ERRORS = [
      "tiers.WAN.jitter_frac = 1.5 must be below 1 (a fraction such as 0.05 for ±5 %)"),
     (lambda: Tier(name="a b", latency_s=1e-3, bandwidth_bytes_per_s=1e9),
      "tier name 'a b' is invalid; use a short identifier such as 'IB' or 'WAN'"),
-    (lambda: parse_topology_toml(BASE.replace('intra_node = "LAN"', 'intra_node = "IB"'), source="t.toml"),
+    (_bad_base('intra_node = "LAN"', 'intra_node = "IB"'),
      "topology 't': intra_node_tier = 'IB' is not a defined tier; use one of LAN or add [tiers.IB]"),
-    (lambda: parse_topology_toml(BASE.replace("latency_s", "latency_ms"), source="t.toml"),
+    (_bad_base("latency_s", "latency_ms"),
      "t.toml [tiers.LAN]: unknown key 'latency_ms'; use one of bandwidth_bytes_per_s, jitter_frac, latency_s"),
-    (lambda: parse_topology_toml(BASE.replace("latency_s = 1e-4\n", ""), source="t.toml"),
+    (_bad_base("latency_s = 1e-4\n", ""),
      "t.toml [tiers.LAN]: latency_s is missing; add latency_s = <number>"),
-    (lambda: parse_topology_toml(BASE.replace("ranks_per_node = 2", "ranks_per_node = 0"), source="t.toml"),
+    (_bad_base("ranks_per_node = 2", "ranks_per_node = 0"),
      "ranks_per_node = 0 is invalid; set it to a whole number >= 1 (or \"auto\" in a TOML [placement])"),
-    (lambda: parse_topology_toml(BASE.replace("ranks_per_node = 2", "ranks_per_node = 2\nnum_sites = 2"), source="t.toml"),
+    (_bad_base("ranks_per_node = 2", "ranks_per_node = 2\nnum_sites = 2"),
      "topology 't': inter_site_tier is unset but num_sites = 2; name the tier between sites or set num_sites = 1"),
-    (lambda: parse_topology_toml(BASE.replace("ranks_per_node = 2", "nodes_per_site = 2"), source="t.toml"),
+    (_bad_base("ranks_per_node = 2", "nodes_per_site = 2"),
      "topology 't': inter_node_tier is unset but nodes_per_site = 2; name the tier between nodes or set nodes_per_site = 1"),
     (lambda: parse_topology_toml(BASE + "\nspeed = 3\n", source="t.toml"),
      "t.toml [tiers.LAN]: unknown key 'speed'; use one of bandwidth_bytes_per_s, jitter_frac, latency_s"),

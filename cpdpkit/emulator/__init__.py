@@ -7,6 +7,7 @@ through gloo (CPU) or nccl (CUDA) and stays bit-identical.
 
 from __future__ import annotations
 
+from cpdpkit.emulator._link import blocked_s_by_thread
 from cpdpkit.emulator.backend import (
     BACKEND_NAME,
     EmulatedProcessGroup,
@@ -24,6 +25,7 @@ __all__ = [
     "DistributedInfo",
     "EmulatedProcessGroup",
     "EmulatorConfig",
+    "blocked_s_by_thread",
     "emulated_bytes_by_tier",
     "emulated_op_counts",
     "init_distributed",

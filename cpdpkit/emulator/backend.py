@@ -26,7 +26,7 @@ from torch.distributed import ProcessGroup
 
 from cpdpkit.emulator._link import EmulatedWork, Link
 from cpdpkit.errors import DistributedSetupError
-from cpdpkit.topology import Topology, format_ranks
+from cpdpkit.topology import Tier, Topology, alpha_beta_time_s, format_ranks
 
 __all__ = [
     "BACKEND_NAME",
@@ -80,9 +80,10 @@ def emulated_op_counts() -> dict[str, int]:
 
 
 def emulated_bytes_by_tier() -> dict[str, int]:
-    """Bytes this process sent through emulated groups, by the group's tier, under the ring model
-    the topology prices with: all_reduce 2(p-1)/p·n, all_gather / reduce_scatter / all_to_all
-    (p-1)/p·n (n = gathered output / unreduced input), broadcast and send/recv n, barrier 0."""
+    """Bytes this process sent through emulated group collectives, by the group's tier, counted
+    with ring-algorithm volumes whatever algorithm the time model picked: all_reduce 2(p-1)/p·n,
+    all_gather / reduce_scatter / all_to_all (p-1)/p·n (n = gathered output / unreduced input),
+    broadcast n, barrier 0. Point-to-point send/recv is not counted."""
     with _state_lock:
         return {k: int(v) for k, v in _total_tier_bytes.items()}
 
@@ -138,6 +139,14 @@ def jittered_s(base_s: float, jitter_frac: float, *, seed: int, key: str) -> flo
     return base_s * (1.0 + jitter_frac * (2.0 * rng.random() - 1.0))
 
 
+def _base_s(op: str, num_bytes: int, tier: Tier | None, p: int) -> float:
+    """Unjittered modeled seconds of ``op`` over ``p`` ranks whose slowest tier is ``tier``
+    (what :meth:`Topology.collective_time_s` gives, without re-deriving the tier every call)."""
+    if tier is None:
+        return 0.0
+    return alpha_beta_time_s(op, num_bytes, p, tier.latency_s, tier.bandwidth_bytes_per_s)[1]
+
+
 def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -158,14 +167,14 @@ class EmulatedProcessGroup(ProcessGroup):
         self._timeout_s = timeout.total_seconds()
         self._group_name = group_id
         self._link = Link(group_id)
-        self._p2p_links: dict[int, Link] = {}
+        self._p2p_links: dict[int, tuple[Link, Tier | None, str]] = {}  # peer -> (link, tier, ranks label)
         self._seq = 0
-        self._count_lock = threading.Lock()
         self.op_counts: Counter[str] = Counter()
         self._coalescing: list[tuple[str, int]] | None = None
-        tier = config.topology.tier_of(self._global_ranks)
-        self.tier_name = tier.name if tier is not None else "LOCAL"
-        self._jitter_frac = tier.jitter_frac if tier is not None else 0.0
+        # The group's tier never changes: derive it once, not on every collective.
+        self._tier = config.topology.tier_of(self._global_ranks)
+        self.tier_name = self._tier.name if self._tier is not None else "LOCAL"
+        self._jitter_frac = self._tier.jitter_frac if self._tier is not None else 0.0
         self._ranks_label = format_ranks(self._global_ranks)
         for device, backend in backends.items():
             btype = ProcessGroup.BackendType.NCCL if device == "cuda" else ProcessGroup.BackendType.GLOO
@@ -199,18 +208,16 @@ class EmulatedProcessGroup(ProcessGroup):
 
     # ---- the core: forward, then book the modeled link time ----------------------------------
     def _modeled_s(self, op: str, num_bytes: int, seq: int) -> float:
-        base_s = self._config.topology.collective_time_s(op, num_bytes, self._global_ranks)
+        base_s = _base_s(op, num_bytes, self._tier, len(self._global_ranks))
         return jittered_s(base_s, self._jitter_frac, seed=self._config.jitter_seed, key=f"{self._group_name}:{seq}")
 
     def _emulate(self, op: str, model_op: str, num_bytes: int, inner_work: Any,
                  outputs: list[torch.Tensor], *, count: bool = True) -> EmulatedWork:
-        with self._count_lock:
+        with _state_lock:  # one lock for the sequence number, this group's and the process's counters
             self._seq += 1
             seq = self._seq
             if count:
                 self.op_counts[op] += 1
-        if count:
-            with _state_lock:
                 _total_counts[op] += 1
                 _total_tier_bytes[self.tier_name] = _total_tier_bytes.get(self.tier_name, 0.0) + _wire_bytes(
                     model_op, num_bytes, len(self._global_ranks))
@@ -338,22 +345,24 @@ class EmulatedProcessGroup(ProcessGroup):
         return self._p2p(tensors, src, work)
 
     def _p2p(self, tensors: list[torch.Tensor], peer: int, work: Any) -> EmulatedWork:
+        route = self._p2p_links.get(peer)
+        if route is None:
+            # Point-to-point traffic has its own link per peer direction, not the group's timeline.
+            pair = [self._global_ranks[self.rank()], self._global_ranks[peer]]
+            route = self._p2p_links.setdefault(peer, (Link(f"{self._group_name}-p2p-{pair[0]}-{pair[1]}"),
+                                                      self._config.topology.tier_of(pair), format_ranks(pair)))
+        link, tier, ranks_label = route
         num_bytes = _nbytes(tensors)
-        pair = [self._global_ranks[self.rank()], self._global_ranks[peer]]
-        modeled_s = self._config.topology.collective_time_s("send_recv", num_bytes, pair)
-        with self._count_lock:
-            self.op_counts["send_recv"] += 1
+        modeled_s = _base_s("send_recv", num_bytes, tier, 2)
         with _state_lock:
+            self.op_counts["send_recv"] += 1
             _total_counts["send_recv"] += 1
-        tier = self._config.topology.tier_of(pair)
         label = (
             f"cpdpkit::emu::send_recv[bytes={num_bytes},tier={tier.name if tier else 'LOCAL'},"
-            f"ranks={format_ranks(pair)},modeled_us={modeled_s * 1e6:.1f}]"
+            f"ranks={ranks_label},modeled_us={modeled_s * 1e6:.1f}]"
         )
-        # Point-to-point traffic has its own link per peer direction, not the group's timeline.
-        link = self._p2p_links.setdefault(peer, Link(f"{self._group_name}-p2p-{pair[0]}-{pair[1]}"))
-        return link.book(label=label, modeled_s=modeled_s, inner=work,
-                                                      outputs=list(tensors), timeout_s=self._timeout_s)
+        return link.book(label=label, modeled_s=modeled_s, inner=work, outputs=list(tensors),
+                         timeout_s=self._timeout_s)
 
     # ---- coalescing (dist._coalescing_manager) -------------------------------------------------
     def _start_coalescing(self, device: torch.device) -> None:
@@ -375,7 +384,7 @@ class EmulatedProcessGroup(ProcessGroup):
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def shutdown(self) -> None:
-        for link in (self._link, *self._p2p_links.values()):
+        for link in (self._link, *(link for link, _, _ in self._p2p_links.values())):
             link.close()
         self._inner.shutdown()
 
