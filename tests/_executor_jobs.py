@@ -8,7 +8,6 @@ trains the same model with FSDP2 HSDP (``apply_plan``, a whole-shard optimizer, 
 
 from __future__ import annotations
 
-import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -33,33 +32,28 @@ def spawn(world_size: int, tmp_path: Path, plan: dict[str, Any], cases: list[dic
     return pj.run_spawned(_entry, (world_size, str(out), plan, cases, emulated), world_size, out, timeout_s)
 
 
-def _entry(rank: int, world_size: int, out: str, plan_dict: dict[str, Any], cases: list[dict[str, Any]],
-           emulated: bool) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
+def _plan_and_mesh(plan_dict: dict[str, Any]) -> tuple[Any, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from cpdpkit.emulator import emulated_op_counts, init_distributed
     from cpdpkit.planner import ShardingPlan
 
-    info = init_distributed(backend=None if emulated else "gloo", topology=pj.FAST_WAN if emulated else None,
-                            init_method=f"file://{out}/store", rank=rank, world_size=world_size)
     plan = ShardingPlan.from_dict(plan_dict)
-    mesh = init_device_mesh("cpu", plan.mesh.shape, mesh_dim_names=("replicate", "shard"))
+    return plan, init_device_mesh("cpu", plan.mesh.shape, mesh_dim_names=("replicate", "shard"))
+
+
+def _entry(rank: int, world_size: int, out: str, plan_dict: dict[str, Any], cases: list[dict[str, Any]],
+           emulated: bool) -> None:
+    info = pj.init_rank(rank, world_size, out, emulated=emulated)
+    from cpdpkit.emulator import emulated_op_counts
+
+    plan, mesh = _plan_and_mesh(plan_dict)
     results = [_run_case(rank, plan, mesh, case) for case in cases]
-    torch.save({"backend": info.backend, "cases": results, "op_counts": emulated_op_counts()},
-               Path(out, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    pj.finish_rank(rank, out, {"backend": info.backend, "cases": results, "op_counts": emulated_op_counts()})
 
 
 def _batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(100 + rank)  # every rank its own batch
     return [(torch.randn(6, 8, generator=gen), torch.randn(6, 5, generator=gen)) for _ in range(NUM_STEPS)]
-
-
-def _full(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
 
 
 def _run_case(rank: int, plan: Any, mesh: Any, case: dict[str, Any]) -> dict[str, Any]:
@@ -99,7 +93,7 @@ def _run_case(rank: int, plan: Any, mesh: Any, case: dict[str, Any]) -> dict[str
     return {
         "name": case["name"], "hsdp_losses": hsdp_losses, "ex_losses": ex_losses,
         "hsdp_norms": hsdp_norms, "ex_norms": ex_norms,
-        "hsdp_params": _full(hsdp), "ex_params": _full(net),
+        "hsdp_params": pj.full_params(hsdp), "ex_params": pj.full_params(net),
         "hsdp_state_bytes": optimizer_state_bytes(opt), "ex_state_bytes": ex.state_bytes(),
         "stages": {u.name: (u.stage, u.order) for u in ex._units}, "pending": pending,
     }
@@ -117,20 +111,10 @@ def spawn_resume(world_size: int, tmp_path: Path, plan: dict[str, Any], cases: l
 
 def _resume_entry(rank: int, world_size: int, out: str, plan_dict: dict[str, Any],
                   cases: list[dict[str, Any]]) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from cpdpkit.emulator import init_distributed
-    from cpdpkit.planner import ShardingPlan
-
-    init_distributed(backend="gloo", init_method=f"file://{out}/store", rank=rank, world_size=world_size)
-    plan = ShardingPlan.from_dict(plan_dict)
-    mesh = init_device_mesh("cpu", plan.mesh.shape, mesh_dim_names=("replicate", "shard"))
+    pj.init_rank(rank, world_size, out, emulated=False)
+    plan, mesh = _plan_and_mesh(plan_dict)
     results = [_resume_case(rank, plan, mesh, case, Path(out, f"ckpt-{case['name']}")) for case in cases]
-    torch.save({"cases": results}, Path(out, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    pj.finish_rank(rank, out, {"cases": results})
 
 
 def _train(net: nn.Module, ex: Any, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
@@ -157,7 +141,7 @@ def _resume_case(rank: int, plan: Any, mesh: Any, case: dict[str, Any], ckpt: Pa
     ex = TwoStageExecutor(net, plan, factory, mesh=mesh, max_grad_norm=clip)
     full_losses = _train(net, ex, batches)
     ex.wait_exchanges()
-    full_params = _full(net)
+    full_params = pj.full_params(net)
 
     net1 = pj.make_net()
     ex1 = TwoStageExecutor(net1, plan, factory, mesh=mesh, max_grad_norm=clip)
@@ -173,7 +157,7 @@ def _resume_case(rank: int, plan: Any, mesh: Any, case: dict[str, Any], ckpt: Pa
     torch.manual_seed(4321 + rank)  # another init, new objects
     net2 = pj.Net()
     ex2 = TwoStageExecutor(net2, plan, factory, mesh=mesh, max_grad_norm=clip)
-    fresh_differs = any(not torch.equal(a, full_params[n]) for n, a in _full(net2).items())
+    fresh_differs = any(not torch.equal(a, full_params[n]) for n, a in pj.full_params(net2).items())
     if case.get("stateful"):
         dcp.load({"executor": ex2}, storage_reader=dcp.FileSystemReader(str(ckpt)))
     else:
@@ -192,6 +176,6 @@ def _resume_case(rank: int, plan: Any, mesh: Any, case: dict[str, Any], ckpt: Pa
             errors.append(str(exc))
     resumed_losses = _train(net2, ex2, batches[k:])
     ex2.wait_exchanges()
-    return {"name": case["name"], "full_params": full_params, "resumed_params": _full(net2),
+    return {"name": case["name"], "full_params": full_params, "resumed_params": pj.full_params(net2),
             "full_losses": full_losses, "resumed_losses": first_losses + resumed_losses,
             "fresh_differs": fresh_differs, "errors": errors, "optim_keys": sorted(sd2["optim"])}

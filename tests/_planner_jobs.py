@@ -85,18 +85,30 @@ def run_spawned(entry: Any, args: tuple, world_size: int, out: Path, timeout_s: 
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
 
 
-def _entry(rank: int, world_size: int, out: str, cases: list[dict[str, Any]], emulated: bool) -> None:
+def init_rank(rank: int, world_size: int, out: str, *, emulated: bool) -> Any:
+    """One thread per spawned rank; its process group through a ``file://`` rendezvous in ``out``
+    (gloo, or the emulated backend over :data:`FAST_WAN`). Returns ``init_distributed``'s info."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    from cpdpkit.emulator import emulated_op_counts, init_distributed
+    from cpdpkit.emulator import init_distributed
 
-    info = init_distributed(backend=None if emulated else "gloo", topology=FAST_WAN if emulated else None,
+    return init_distributed(backend=None if emulated else "gloo", topology=FAST_WAN if emulated else None,
                             init_method=f"file://{out}/store", rank=rank, world_size=world_size)
-    results = [_run_case(rank, world_size, case) for case in cases]
-    torch.save({"backend": info.backend, "cases": results, "op_counts": emulated_op_counts()},
-               Path(out, f"rank{rank}.pt"))
+
+
+def finish_rank(rank: int, out: str, saved: dict[str, Any]) -> None:
+    """Write what this rank saw as ``out/rank<R>.pt`` (what :func:`run_spawned` returns), then leave."""
+    torch.save(saved, Path(out, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _entry(rank: int, world_size: int, out: str, cases: list[dict[str, Any]], emulated: bool) -> None:
+    info = init_rank(rank, world_size, out, emulated=emulated)
+    from cpdpkit.emulator import emulated_op_counts
+
+    results = [_run_case(rank, world_size, case) for case in cases]
+    finish_rank(rank, out, {"backend": info.backend, "cases": results, "op_counts": emulated_op_counts()})
 
 
 def _train(model: nn.Module, rank: int) -> list[float]:
@@ -113,7 +125,8 @@ def _train(model: nn.Module, rank: int) -> list[float]:
     return losses
 
 
-def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter of an FSDP2 model, unsharded (``full_tensor``), by name."""
     return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
 
 
@@ -139,7 +152,7 @@ def _run_case(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any
     return {
         "name": case["name"],
         "plain_losses": plain_losses, "plan_losses": planned_losses,
-        "plain_params": _full_params(plain), "plan_params": _full_params(planned),
+        "plain_params": full_params(plain), "plan_params": full_params(planned),
         "placements": {n: str(p.placements) for n, p in planned.named_parameters()},
         "mesh_shape": tuple(p.device_mesh.shape for p in planned.parameters())[0],
         "warnings": [str(w.category.__name__) for w in caught],

@@ -29,11 +29,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cpdpkit.bench.gpt import gpt_preset
 from cpdpkit.errors import ConfigError
 from cpdpkit.topology import Tier, Topology, resolve_topology
+
+if TYPE_CHECKING:
+    from cpdpkit.planner import ShardingPlan
 
 __all__ = ["SHARDING_STRATEGIES", "CLUSTER_SLOW_IB", "ShardingBenchConfig", "ShardingReport",
            "prepare", "run_sharding_bench"]
@@ -124,10 +127,16 @@ def resolve_bench_topology(name: str, world_size: int) -> Topology:
 
 @dataclass(frozen=True)
 class Prepared:
-    topology: Topology
-    plan: Any  # ShardingPlan
-    num_replicas: int
-    ranks_per_node: int
+    topology: Topology  # placed on the suite's world size, >= 2 nodes
+    plan: ShardingPlan
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.topology.ranks_per_node  # type: ignore[return-value]
+
+    @property
+    def num_replicas(self) -> int:
+        return self.topology.world_size // self.ranks_per_node  # type: ignore[operator]
 
 
 def prepare(config: ShardingBenchConfig) -> Prepared:
@@ -149,8 +158,7 @@ def prepare(config: ShardingBenchConfig) -> Prepared:
         raise ConfigError(f"the planner chose {plan.strategy!r} (mesh {plan.mesh.shape}) without optimizer-state "
                           "sharding across replicas, which two-stage needs: drop two-stage from --strategies "
                           "or use a topology with a slow inter-node tier")
-    rpn = topo.ranks_per_node
-    return Prepared(topology=topo, plan=plan, num_replicas=config.world_size // rpn, ranks_per_node=rpn)
+    return Prepared(topology=topo, plan=plan)
 
 
 @dataclass(frozen=True)
@@ -184,7 +192,11 @@ def _goals(results: list[dict[str, Any]], num_replicas: int) -> dict[str, Any]:
 
 def run_sharding_bench(config: ShardingBenchConfig, work_dir: Path,
                        emit: Callable[[tuple[Any, ...]], None] = lambda e: None) -> ShardingReport:
-    """Run every strategy of ``config`` as its own launched job; collect their results."""
+    """Run every strategy of ``config`` as its own launched job; collect their results.
+
+    Validates and plans first (:func:`prepare`): a bad configuration raises before any launch
+    and before ``work_dir`` is created.
+    """
     from cpdpkit.bench import sharding_worker as worker
     from cpdpkit.launch import LaunchConfig, launch
 

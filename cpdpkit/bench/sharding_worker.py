@@ -33,9 +33,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cpdpkit.bench._rank_io import RESULT_FILE, SPEC_FILE, finish_rank
+
 __all__ = ["main", "SPEC_FILE", "RESULT_FILE"]
 
-SPEC_FILE, RESULT_FILE = "spec.json", "result.json"
 
 
 def _rss_bytes() -> int:
@@ -133,7 +134,7 @@ def _mean(value: float) -> float:
 def _train(spec: dict[str, Any], step_fn: Any, rank: int, world: int) -> dict[str, Any]:
     from cpdpkit.bench.gpt import gpt_preset, token_batch
     from cpdpkit.emulator import emulated_bytes_by_tier
-    from cpdpkit.emulator._link import blocked_s_by_thread
+    from cpdpkit.emulator import blocked_s_by_thread
 
     cfg, me = gpt_preset(spec["model"]), threading.get_ident()
     total = spec["warmup_steps"] + spec["steps"]
@@ -185,10 +186,7 @@ def main(argv: list[str] | None = None) -> None:
         "final_loss": _mean(out["loss"]),
         "loss_curve_rank_mean": [_mean(v) for v in out["losses"]],
     }
-    if rank == 0:
-        (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_rank(run_dir, rank, result)
 
 
 if __name__ == "__main__":

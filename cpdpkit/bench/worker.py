@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cpdpkit.bench._rank_io import PROGRESS_FILE, RESULT_FILE, SPEC_FILE, finish_rank
 from cpdpkit.bench.config import RunSpec
 from cpdpkit.bench.data import Dataset, load_dataset
 from cpdpkit.bench.models import build_model
@@ -30,7 +31,6 @@ from cpdpkit.bench.strategies import StrategyRunner, build_strategy
 
 __all__ = ["main", "RESULT_FILE", "PROGRESS_FILE", "SPEC_FILE"]
 
-SPEC_FILE, RESULT_FILE, PROGRESS_FILE = "spec.json", "result.json", "progress.jsonl"
 _DIVERGED_LOSS = 1e4
 
 
@@ -143,10 +143,7 @@ def main(argv: list[str] | None = None) -> None:
         "final_loss": out["final_loss"], "curve": out["curve"],
         "harness_s": {"setup": setup_s, "eval_and_checks": out["harness_s"]},
     }
-    if rank == 0:
-        (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_rank(run_dir, rank, result)
 
 
 if __name__ == "__main__":

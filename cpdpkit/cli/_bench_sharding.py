@@ -10,7 +10,7 @@ from typing import Any
 
 from rich.table import Table
 
-from cpdpkit.bench.sharding import ShardingBenchConfig, ShardingReport, prepare, run_sharding_bench
+from cpdpkit.bench.sharding import ShardingBenchConfig, ShardingReport, run_sharding_bench
 from cpdpkit.cli.app import out_console
 
 __all__ = ["run_sharding_suite"]
@@ -33,7 +33,6 @@ def _config(given: set[str], *, quick: bool, steps: int, **kw: Any) -> ShardingB
 def run_sharding_suite(*, given: set[str], quick: bool, json_out: str | None, work_dir: str | None,
                        **kw: Any) -> None:
     config = _config(given, quick=quick, **kw)
-    prepare(config)  # every user error (topology, optimizer, budget) as one line before any launch
 
     def emit(event: tuple[Any, ...]) -> None:
         if event[0] == "done":

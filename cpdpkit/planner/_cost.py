@@ -58,7 +58,6 @@ class UnitGeom:
     """A unit's parameters laid out on the shard axis."""
 
     padded_numel: int
-    numel: int
     real_by_position: np.ndarray
     reshard_after_forward: bool | int
     is_root: bool

@@ -1,4 +1,5 @@
-"""The planner's configuration (:class:`PlannerConfig`), its error type and size parsing.
+"""The planner's configuration (:class:`PlannerConfig`), its error type, size parsing and
+:class:`Record`, the ``to_dict``/``from_dict`` of the planner's flat JSON records.
 
 Torch-free: dtypes are names mapped to byte sizes, so a plan for 1,024 ranks needs no torch.
 """
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Any, Mapping, TypeVar
 
 from cpdpkit.errors import ConfigError
 
@@ -29,20 +30,18 @@ class PlannerError(ConfigError):
     """The planner cannot produce a plan for these inputs (names the limit and what would fit)."""
 
 
-def dtype_bytes(name: str) -> int:
-    """Bytes per element of dtype ``name`` (``"bfloat16"``, ``"bf16"``, ``"torch.float32"``...)."""
+def _canonical_dtype(name: str) -> str:
+    """The :data:`DTYPE_BYTES` key of ``name`` (``"bf16"``, ``"torch.float32"``...)."""
     key = str(name).removeprefix("torch.").lower()
     key = _DTYPE_ALIASES.get(key, key)
     if key not in DTYPE_BYTES:
         raise PlannerError(f"dtype {name!r} is unknown; use one of {', '.join(DTYPE_BYTES)}")
-    return DTYPE_BYTES[key]
-
-
-def _canonical_dtype(name: str) -> str:
-    key = str(name).removeprefix("torch.").lower()
-    key = _DTYPE_ALIASES.get(key, key)
-    dtype_bytes(key)
     return key
+
+
+def dtype_bytes(name: str) -> int:
+    """Bytes per element of dtype ``name`` (``"bfloat16"``, ``"bf16"``, ``"torch.float32"``...)."""
+    return DTYPE_BYTES[_canonical_dtype(name)]
 
 
 def parse_bytes(text: str | int) -> int:
@@ -70,8 +69,30 @@ def format_bytes(num_bytes: float) -> str:
     raise AssertionError("unreachable")
 
 
+_R = TypeVar("_R", bound="Record")
+
+
+class Record:
+    """``to_dict`` / ``from_dict`` of a flat frozen dataclass of the planner's JSON.
+
+    ``to_dict``: every field as it is, tuples as lists. ``from_dict``: the fields back as keyword
+    arguments (each class's ``__post_init__`` turns lists back into tuples).
+    """
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {}
+        for f in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    @classmethod
+    def from_dict(cls: type[_R], data: Mapping[str, Any]) -> _R:
+        return cls(**data)
+
+
 @dataclass(frozen=True, kw_only=True)
-class PlannerConfig:
+class PlannerConfig(Record):
     """What the planner optimises for.
 
     * ``param_dtype`` / ``grad_dtype``: dtypes of the sharded parameters and gradients (also the
@@ -131,13 +152,6 @@ class PlannerConfig:
     def state_bytes_per_param(self) -> int:
         """Parameter + gradient + optimizer bytes of one parameter."""
         return self.param_bytes + self.grad_bytes + self.optim_state_bytes_per_param
-
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> PlannerConfig:
-        return cls(**dict(data))
 
 
 def ceil_div(a: int, b: int) -> int:

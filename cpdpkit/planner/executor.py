@@ -84,6 +84,7 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
+
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of an optimizer's per-element state on this rank (DTensors: local part; 0-d step counters excluded)."""
     total = 0

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import importlib
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Mapping
 
-from cpdpkit.planner.config import PlannerError
+from cpdpkit.planner.config import PlannerError, Record
 
 __all__ = ["ParamSpec", "BlockSpec", "ModelSpec", "load_model_spec", "ROOT"]
 
@@ -52,14 +52,11 @@ class ParamSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
-class BlockSpec:
+class BlockSpec(Record):
     """A module that may be a ``fully_shard`` unit; ``container`` is its parent container's fqn."""
 
     fqn: str
     container: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,7 +87,7 @@ class ModelSpec:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelSpec:
         return cls(name=data["name"], params=tuple(ParamSpec.from_dict(p) for p in data["params"]),
-                   blocks=tuple(BlockSpec(**b) for b in data.get("blocks", ())))
+                   blocks=tuple(BlockSpec.from_dict(b) for b in data.get("blocks", ())))
 
     @classmethod
     def from_module(cls, module: Any, *, name: str | None = None) -> ModelSpec:
@@ -142,14 +139,10 @@ def load_model_spec(spec: Any) -> ModelSpec:
         return spec
     if not isinstance(spec, str):
         return ModelSpec.from_module(spec)
-    from cpdpkit.planner.presets import MODEL_PRESETS, model_preset
-
     if ":" not in spec:
-        if spec in MODEL_PRESETS:
-            return model_preset(spec)
-        raise PlannerError(
-            f"unknown model preset {spec!r}; use one of {', '.join(MODEL_PRESETS)} or 'package.module:factory'"
-        )
+        from cpdpkit.planner.presets import model_preset
+
+        return model_preset(spec)  # names the presets when there is none of that name
     module_name, _, attr = spec.partition(":")
     try:
         factory = getattr(importlib.import_module(module_name), attr)

@@ -14,11 +14,12 @@ sends ``(p-1)/p·n``); a collective's whole traffic is charged to its group's sl
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from cpdpkit.planner.config import PlannerConfig
+from cpdpkit.planner.config import PlannerConfig, Record
 from cpdpkit.topology import Topology
 
 if TYPE_CHECKING:
@@ -38,16 +39,8 @@ __all__ = [
 PLAN_FORMAT_VERSION = 1
 
 
-def _plain(obj: Any) -> dict[str, Any]:
-    out = {}
-    for f in fields(obj):
-        value = getattr(obj, f.name)
-        out[f.name] = list(value) if isinstance(value, tuple) else value
-    return out
-
-
 @dataclass(frozen=True, kw_only=True)
-class ParamPlacement:
+class ParamPlacement(Record):
     """``Shard(dim)`` of one parameter on the shard axis; ``padded_numel`` = S × padded chunk."""
 
     fqn: str
@@ -60,21 +53,11 @@ class ParamPlacement:
 
     @property
     def padding_numel(self) -> int:
-        numel = 1
-        for d in self.shape:
-            numel *= d
-        return self.padded_numel - numel
-
-    def to_dict(self) -> dict[str, Any]:
-        return _plain(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ParamPlacement:
-        return cls(**{**data, "shape": tuple(data["shape"])})
+        return self.padded_numel - math.prod(self.shape)
 
 
 @dataclass(frozen=True, kw_only=True)
-class UnitPlan:
+class UnitPlan(Record):
     """One ``fully_shard`` call: its modules (``""`` = the root), parameters and reshard policy."""
 
     name: str
@@ -92,16 +75,9 @@ class UnitPlan:
     def is_root(self) -> bool:
         return self.module_fqns == ("",)
 
-    def to_dict(self) -> dict[str, Any]:
-        return _plain(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> UnitPlan:
-        return cls(**{**data, "module_fqns": tuple(data["module_fqns"]), "param_fqns": tuple(data["param_fqns"])})
-
 
 @dataclass(frozen=True, kw_only=True)
-class MeshPlan:
+class MeshPlan(Record):
     """The data-parallel mesh: ``(replicate, shard)`` for HSDP, ``(shard,)`` for plain FSDP.
 
     Shard groups are ``shard_size`` consecutive ranks (a node, a site or the world); replicate
@@ -119,16 +95,9 @@ class MeshPlan:
         object.__setattr__(self, "shape", tuple(self.shape))
         object.__setattr__(self, "dim_names", tuple(self.dim_names))
 
-    def to_dict(self) -> dict[str, Any]:
-        return _plain(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> MeshPlan:
-        return cls(**{**data, "shape": tuple(data["shape"]), "dim_names": tuple(data["dim_names"])})
-
 
 @dataclass(frozen=True, kw_only=True)
-class StateSharding:
+class StateSharding(Record):
     """Fine-grained optimizer-state sharding across the replicate axis.
 
     With ``axis="replicate"`` each rank keeps ``1/num_partitions`` of the optimizer state of its
@@ -143,16 +112,9 @@ class StateSharding:
     num_partitions: int
     executed_by_fsdp2: bool
 
-    def to_dict(self) -> dict[str, Any]:
-        return _plain(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> StateSharding:
-        return cls(**data)
-
 
 @dataclass(frozen=True, kw_only=True)
-class RankBytes:
+class RankBytes(Record):
     """Per-rank model-state bytes (index = global rank) and peak-memory estimates.
 
     ``*_bytes`` tuples are real bytes; ``padded_*_bytes`` what every rank allocates.
@@ -183,16 +145,9 @@ class RankBytes:
     def padded_total_bytes(self) -> tuple[int, ...]:
         return tuple(self.padded_param_bytes + self.padded_grad_bytes + o for o in self.optim_bytes)
 
-    def to_dict(self) -> dict[str, Any]:
-        return _plain(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> RankBytes:
-        return cls(**data)
-
 
 @dataclass(frozen=True, kw_only=True)
-class CommPhase:
+class CommPhase(Record):
     """One kind of collective issued every step (summed over units)."""
 
     name: str
@@ -204,13 +159,6 @@ class CommPhase:
     collective_bytes: int
     wire_bytes_per_rank: int
     time_s: float
-
-    def to_dict(self) -> dict[str, Any]:
-        return _plain(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> CommPhase:
-        return cls(**data)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -136,7 +136,7 @@ def _build_units(spec: ModelSpec, groups: list[list[int]], shard_size: int, *, b
             placements.append(ParamPlacement(fqn=p.fqn, shape=p.shape, dim=layout.dim, padded_numel=layout.padded_numel))
         units.append(UnitPlan(name=name, module_fqns=fqns, param_fqns=tuple(spec.params[i].fqn for i in idx),
                               numel=numel, padded_numel=padded, reshard_after_forward=unit_raf))
-        geoms.append(UnitGeom(padded_numel=padded, numel=numel, real_by_position=real,
+        geoms.append(UnitGeom(padded_numel=padded, real_by_position=real,
                               reshard_after_forward=unit_raf, is_root=is_root))
     return units, geoms, placements
 
@@ -172,7 +172,7 @@ def _candidates(topo: Topology, config: PlannerConfig) -> list[Candidate]:
             rafs = [_checked_raf(config.reshard_after_forward, s, topo)]
         for raf in rafs:
             for sharded in ((False, True) if config.allow_state_sharding and s < world else (False,)):  # type: ignore[operator]
-                label = strategy + ("-hpz" if raf is not True and raf is not False else "")
+                label = strategy + ("-hpz" if _is_int(raf) else "")
                 out.append(Candidate(strategy=label, shard_size=s, reshard_after_forward=raf, state_sharded=sharded))
     return out
 

@@ -51,10 +51,10 @@ per-unit update times that differ. Timings come from measurement or
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from cpdpkit.planner.config import PlannerError
+from cpdpkit.planner.config import PlannerError, Record
 
 if TYPE_CHECKING:
     from cpdpkit.planner.plan import ShardingPlan
@@ -85,12 +85,8 @@ def _check_time(name: str, value: Any) -> None:
         raise PlannerError(f"{name} = {value!r} is invalid; use a finite number of seconds >= 0")
 
 
-def _plain(obj: Any) -> dict[str, Any]:
-    return {f.name: getattr(obj, f.name) for f in fields(obj)}
-
-
 @dataclass(frozen=True, kw_only=True)
-class UnitTiming:
+class UnitTiming(Record):
     """Measured or estimated compute seconds of one unit's forward and backward on one rank."""
 
     name: str
@@ -101,16 +97,9 @@ class UnitTiming:
         _check_time(f"{self.name}.forward_s", self.forward_s)
         _check_time(f"{self.name}.backward_s", self.backward_s)
 
-    def to_dict(self) -> dict[str, Any]:
-        return _plain(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> UnitTiming:
-        return cls(**data)
-
 
 @dataclass(frozen=True, kw_only=True)
-class ExchangeSlot:
+class ExchangeSlot(Record):
     """One unit's updated-parameter all-gather across replicas, as scheduled.
 
     ``release_s``: its update is done (reduce-scatter end + update); ``deadline_s``: its next
@@ -137,16 +126,9 @@ class ExchangeSlot:
         """How far the exchange ends past its deadline (0 when on time)."""
         return max(0.0, self.end_s - self.deadline_s)
 
-    def to_dict(self) -> dict[str, Any]:
-        return _plain(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ExchangeSlot:
-        return cls(**data)
-
 
 @dataclass(frozen=True, kw_only=True)
-class LinkInterval:
+class LinkInterval(Record):
     """A busy interval of the slow link: ``kind`` is ``reduce_scatter`` or ``all_gather``."""
 
     kind: str
@@ -154,16 +136,9 @@ class LinkInterval:
     start_s: float
     end_s: float
 
-    def to_dict(self) -> dict[str, Any]:
-        return _plain(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> LinkInterval:
-        return cls(**data)
-
 
 @dataclass(frozen=True, kw_only=True)
-class TwoStageSchedule:
+class TwoStageSchedule(Record):
     """The exchange schedule of one step (see the module docstring for the model).
 
     ``slots`` are in plan (forward) order; ``link_intervals`` in time order. ``*_exposed_s`` is
@@ -202,7 +177,7 @@ class TwoStageSchedule:
         return tuple(s for s in self.slots if s.late_s > _EPS)
 
     def to_dict(self) -> dict[str, Any]:
-        out = _plain(self)
+        out = super().to_dict()
         for name in ("timings", "slots", "link_intervals"):
             out[name] = [x.to_dict() for x in out[name]]
         return out
