@@ -4,7 +4,9 @@
 
 Each rank issues every (op, size) ``--repeats`` times after a barrier on a plain gloo group and
 reports the median; the emulated time is max(modeled, gloo's own time), so small modeled times
-on a fast tier show gloo's floor. Not a test: it prints numbers, it asserts nothing.
+on a fast tier show gloo's floor. Each row also shows the network model's algorithm and wire
+bytes per rank beside the bytes the emulator counted for the warm-up call (``meter()``); they
+agree by construction. Not a test: it prints numbers, it asserts nothing.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,6 +48,7 @@ def _issue(op: str, n: int, world: int) -> Callable[[], Any]:
 
 def _worker(rank: int, world: int, store: str, topology: str, repeats: int, out: str) -> None:
     import cpdpkit
+    from cpdpkit.emulator import meter
 
     torch.set_num_threads(1)
     info = cpdpkit.init_distributed(topology=topology, init_method=f"file://{store}", rank=rank, world_size=world)
@@ -55,16 +59,19 @@ def _worker(rank: int, world: int, store: str, topology: str, repeats: int, out:
             n = max(world, num_bytes // 4 // world * world)
             fn = _issue(op, n, world)
             real_bytes = 4 * n if op != "barrier" else 0
-            fn()  # warm-up
+            with meter() as m:
+                fn()  # warm-up
             times = []
             for _ in range(repeats):
                 dist.barrier(gloo)
                 t0 = time.perf_counter()
                 fn()
                 times.append(time.perf_counter() - t0)
-            modeled_s = info.topology.collective_time_s(op, real_bytes, range(world))
-            rows.append({"op": op, "bytes": real_bytes, "modeled_ms": round(modeled_s * 1e3, 3),
-                         "measured_ms": round(statistics.median(times) * 1e3, 3)})
+            cost = info.topology.group(range(world)).cost(op, real_bytes)
+            rows.append({"op": op, "bytes": real_bytes, "algorithm": cost.algorithm,
+                         "modeled_ms": round(cost.time_s * 1e3, 3),
+                         "measured_ms": round(statistics.median(times) * 1e3, 3),
+                         "wire_bytes": cost.wire_bytes, "counted_wire_bytes": sum(m.bytes_by_tier.values())})
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
     dist.barrier(gloo)
@@ -96,6 +103,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "rows_with_modeled_ms_ge_2": len(ratios),
             "median_ratio": round(statistics.median(ratios), 3) if ratios else None,
             "max_abs_error_pct": round(max(abs(r - 1) for r in ratios) * 100, 1) if ratios else None,
+            "wire_bytes_agree": all(r["wire_bytes"] == r["counted_wire_bytes"] for r in rows),
         },
         "rows": rows,
     }

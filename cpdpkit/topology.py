@@ -7,25 +7,11 @@ site, and there are ``num_sites`` sites. Three *levels* say which tier joins two
 node (``intra_node_tier``), the same site (``inter_node_tier``) or different sites
 (``inter_site_tier``). A group's tier is its slowest link (:meth:`Topology.tier_of`).
 
-The cost functions are the textbook α-β model (α = latency_s, β = 1 / bandwidth_bytes_per_s,
-``p`` ranks, ``n`` bytes, a flat algorithm over the group's slowest tier):
-
-===============  =========================================================================
-op               modeled time
-===============  =========================================================================
-all_reduce       min(ring: 2(p-1)α + 2(p-1)/p·nβ,  tree: 2⌈log2 p⌉(α + nβ))
-all_gather       (p-1)α + (p-1)/p·nβ     (n = bytes of the gathered output)
-reduce_scatter   (p-1)α + (p-1)/p·nβ     (n = bytes of the unreduced input)
-broadcast        min(binomial tree: ⌈log2 p⌉(α + nβ),
-                     scatter+all_gather: (⌈log2 p⌉ + p-1)α + 2(p-1)/p·nβ)
-all_to_all       (p-1)α + (p-1)/p·nβ     (n = bytes each rank sends, its own chunk included)
-send_recv        α + nβ
-barrier          ⌈log2 p⌉α               (dissemination barrier)
-===============  =========================================================================
-
-A single rank costs nothing. The planner and the emulator both call
-:meth:`Topology.collective_time_s`; nothing here needs torch or a process group, so a plan for
-1,024 ranks runs anywhere.
+Collective costs come from the one network model, :mod:`cpdpkit.network`:
+:meth:`Topology.group` gives the :class:`~cpdpkit.network.NetworkGroup` of a set of ranks (its
+tier, and per collective its algorithm, wire bytes and time). The planner, the two-stage
+schedule, the emulator and ``cpdpkit topology show`` all ask it; nothing here needs torch or a
+process group, so a plan for 1,024 ranks runs anywhere.
 
 A topology comes from a preset name (:func:`preset`, see :data:`PRESETS`) or a TOML file
 (:func:`load_topology`). At most one placement count may be left open (``None``; in TOML
@@ -55,11 +41,13 @@ from __future__ import annotations
 
 import math
 import tomllib
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from cpdpkit.errors import TopologyError
+from cpdpkit.labels import format_ranks
+from cpdpkit.network import COLLECTIVE_OPS, CollectiveCost, NetworkGroup, Tier, check_number
 
 __all__ = [
     "Tier",
@@ -72,80 +60,11 @@ __all__ = [
     "parse_topology_toml",
     "resolve_topology",
     "format_ranks",
-    "alpha_beta_time_s",
+    "NetworkGroup",
 ]
-
-COLLECTIVE_OPS = (
-    "all_reduce",
-    "all_gather",
-    "reduce_scatter",
-    "broadcast",
-    "barrier",
-    "all_to_all",
-    "send_recv",
-)
 
 _PLACEMENT_FIELDS = ("ranks_per_node", "nodes_per_site", "num_sites")
 _LEVEL_FIELDS = ("intra_node_tier", "inter_node_tier", "inter_site_tier")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Tier:
-    """One class of link: a one-way ``latency_s`` and a per-link ``bandwidth_bytes_per_s``.
-
-    ``jitter_frac`` (0 ≤ j < 1) lets the emulator stretch or shrink each modeled time by a
-    seeded uniform factor in [1 - j, 1 + j]; the cost model itself ignores it.
-    """
-
-    name: str
-    latency_s: float
-    bandwidth_bytes_per_s: float
-    jitter_frac: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name or not self.name.isidentifier():
-            raise TopologyError(
-                f"tier name {self.name!r} is invalid; use a short identifier such as 'IB' or 'WAN'"
-            )
-        _check_number(f"tiers.{self.name}.latency_s", self.latency_s, minimum=0.0)
-        _check_number(
-            f"tiers.{self.name}.bandwidth_bytes_per_s", self.bandwidth_bytes_per_s, positive=True
-        )
-        _check_number(f"tiers.{self.name}.jitter_frac", self.jitter_frac, minimum=0.0)
-        if self.jitter_frac >= 1.0:
-            raise TopologyError(
-                f"tiers.{self.name}.jitter_frac = {self.jitter_frac!r} must be below 1 "
-                "(a fraction such as 0.05 for ±5 %)"
-            )
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True, kw_only=True)
-class CollectiveCost:
-    """The modeled cost of one collective (what :meth:`Topology.collective_cost` returns)."""
-
-    op: str
-    num_bytes: int
-    num_ranks: int
-    tier: str | None
-    algorithm: str
-    time_s: float
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def _check_number(path: str, value: Any, *, minimum: float | None = None, positive: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if ok and positive:
-        ok = value > 0
-    if ok and minimum is not None:
-        ok = value >= minimum
-    if not ok:
-        need = "a finite number > 0" if positive else f"a finite number >= {minimum:g}"
-        raise TopologyError(f"{path} = {value!r} is invalid; set it to {need}")
 
 
 def _check_count(path: str, value: Any, *, allow_none: bool) -> None:
@@ -173,6 +92,9 @@ class Topology:
     nodes_per_site: int | None = 1
     num_sites: int | None = 1
     description: str = ""
+    # NetworkGroup per sorted rank tuple; not part of the topology's identity
+    _groups: dict[tuple[int, ...], NetworkGroup] = field(
+        default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -334,28 +256,27 @@ class Topology:
             crossed.append(self.tier(self.intra_node_tier))
         return min(crossed, key=lambda t: (t.bandwidth_bytes_per_s, -t.latency_s))
 
-    # ---- costs -----------------------------------------------------------------------------
+    # ---- the network model -----------------------------------------------------------------
+    def group(self, ranks: Iterable[int]) -> NetworkGroup:
+        """The :class:`~cpdpkit.network.NetworkGroup` of ``ranks``: their tier and collective costs.
+
+        Groups are cached per topology (a group's tier never changes), so asking again is cheap.
+        """
+        members = tuple(sorted(set(ranks)))
+        found = self._groups.get(members)
+        if found is None:
+            if not members:
+                raise TopologyError("a group needs at least one rank; pass the group's global ranks")
+            found = self._groups.setdefault(members, NetworkGroup(members, self.tier_of(members)))
+        return found
+
     def collective_cost(self, op: str, num_bytes: int, ranks: Iterable[int]) -> CollectiveCost:
-        """The modeled cost of ``op`` moving ``num_bytes`` among ``ranks`` (see the module table)."""
-        if op not in COLLECTIVE_OPS:
-            raise TopologyError(f"op = {op!r} is not a modeled collective; use one of {', '.join(COLLECTIVE_OPS)}")
-        if not isinstance(num_bytes, int) or isinstance(num_bytes, bool) or num_bytes < 0:
-            raise TopologyError(f"num_bytes = {num_bytes!r} is invalid; pass a whole number of bytes >= 0")
-        members = sorted(set(ranks))
-        p = len(members)
-        tier = self.tier_of(members)
-        if tier is None:
-            return CollectiveCost(op=op, num_bytes=num_bytes, num_ranks=p, tier=None, algorithm="local", time_s=0.0)
-        algorithm, time_s = alpha_beta_time_s(op, num_bytes, p, tier.latency_s, tier.bandwidth_bytes_per_s)
-        return CollectiveCost(op=op, num_bytes=num_bytes, num_ranks=p, tier=tier.name, algorithm=algorithm, time_s=time_s)
+        """The modeled cost of ``op`` moving ``num_bytes`` among ``ranks`` (``group(ranks).cost``)."""
+        return self.group(ranks).cost(op, num_bytes)
 
     def collective_time_s(self, op: str, num_bytes: int, ranks: Iterable[int]) -> float:
         """Modeled seconds of ``op`` moving ``num_bytes`` among ``ranks``."""
-        return self.collective_cost(op, num_bytes, ranks).time_s
-
-    def all_reduce_algorithm(self, num_bytes: int, ranks: Iterable[int]) -> str:
-        """``"ring"`` or ``"tree"``: the cheaper all-reduce the model picks (``"local"`` for one rank)."""
-        return self.collective_cost("all_reduce", num_bytes, ranks).algorithm
+        return self.group(ranks).cost(op, num_bytes).time_s
 
     # ---- serialisation ---------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -398,30 +319,6 @@ class Topology:
 
 def _toml_str(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def alpha_beta_time_s(op: str, num_bytes: int, p: int, latency_s: float, bandwidth_bytes_per_s: float) -> tuple[str, float]:
-    """(algorithm, seconds) of ``op`` over ``p`` ranks on one tier; the formulas of the module table."""
-    a, nb = latency_s, num_bytes / bandwidth_bytes_per_s
-    if p < 2:
-        return "local", 0.0
-    log_p = math.ceil(math.log2(p))
-    frac = (p - 1) / p
-    if op == "all_reduce":
-        ring = 2 * (p - 1) * a + 2 * frac * nb
-        tree = 2 * log_p * (a + nb)
-        return ("ring", ring) if ring <= tree else ("tree", tree)
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
-        return "ring" if op != "all_to_all" else "pairwise", (p - 1) * a + frac * nb
-    if op == "broadcast":
-        tree = log_p * (a + nb)
-        scatter_ag = (log_p + p - 1) * a + 2 * frac * nb
-        return ("tree", tree) if tree <= scatter_ag else ("scatter_allgather", scatter_ag)
-    if op == "send_recv":
-        return "p2p", a + nb
-    if op == "barrier":
-        return "dissemination", log_p * a
-    raise TopologyError(f"op = {op!r} is not a modeled collective; use one of {', '.join(COLLECTIVE_OPS)}")
 
 
 # ---- presets -----------------------------------------------------------------------------------
@@ -549,17 +446,3 @@ def resolve_topology(spec: str, *, world_size: int | None = None, ranks_per_node
             topo = replace(topo, ranks_per_node=ranks_per_node)
         return topo if world_size is None else topo.place(world_size)
     return preset(spec, world_size=world_size, ranks_per_node=ranks_per_node)
-
-
-def format_ranks(ranks: Iterable[int]) -> str:
-    """Ranks as sorted comma-separated ranges: ``[0, 1, 2, 3, 8, 9]`` -> ``"0-3,8-9"``."""
-    members = sorted(set(ranks))
-    parts: list[str] = []
-    i = 0
-    while i < len(members):
-        j = i
-        while j + 1 < len(members) and members[j + 1] == members[j] + 1:
-            j += 1
-        parts.append(str(members[i]) if i == j else f"{members[i]}-{members[j]}")
-        i = j + 1
-    return ",".join(parts)

@@ -12,15 +12,16 @@ import statistics
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch._C._profiler import _ExperimentalConfig
 
 import _planner_jobs as pj
-from cpdpkit.emulator import blocked_s_by_thread, emulated_bytes_by_tier, emulated_op_counts, init_distributed
+from cpdpkit.emulator import init_distributed, meter
 from cpdpkit.topology import Tier, Topology
 
 # Modeled times of 30-145 ms (latency and bandwidth terms both matter) dwarf gloo's own time and CPU noise.
@@ -39,6 +40,7 @@ TEST_TOPOLOGY = Topology(
 TIMED_BYTES = 1024 * 1024
 FOUR_RANK_BYTES = 1024 * 1024
 NUM_TIMED_RUNS = 5
+METER_BYTES = 1024
 
 
 def spawn_job(job: str, world_size: int, tmp_path: Path, timeout_s: float = 150.0) -> list[dict[str, Any]]:
@@ -53,8 +55,9 @@ def _entry(rank: int, job: str, world_size: int, out: str) -> None:
     init_distributed(topology=TEST_TOPOLOGY, init_method=f"file://{out}/store", rank=rank,
                      world_size=world_size)
     gloo = dist.new_group(backend="gloo")
-    result = JOBS[job](rank, world_size, gloo, out)
-    result["op_counts"] = emulated_op_counts()
+    with meter() as m:
+        result = JOBS[job](rank, world_size, gloo, out)
+    result["op_counts"] = m.op_counts
     torch.save(result, Path(out, f"rank{rank}.pt"))
     dist.barrier(gloo)
     dist.destroy_process_group()
@@ -80,7 +83,8 @@ def collective_times(world: int, gloo: Any, op_group: Any = None, num_bytes: int
     scattered = torch.empty(n // world)
     return {
         "all_reduce": _timed(lambda: dist.all_reduce(x, group=op_group), gloo),
-        "all_gather": _timed(lambda: dist.all_gather_into_tensor(gathered, torch.ones(n // world), group=op_group), gloo),
+        "all_gather": _timed(lambda: dist.all_gather_into_tensor(gathered, torch.ones(n // world), group=op_group),
+                             gloo),
         "reduce_scatter": _timed(lambda: dist.reduce_scatter_tensor(scattered, x, group=op_group), gloo),
     }
 
@@ -107,7 +111,8 @@ def overlap_times(gloo: Any) -> dict[str, float]:
     return {"compute_s": compute, "comm_s": comm, "step_s": _timed(step, gloo)}
 
 
-def _train(model: torch.nn.Module, rank: int, steps: int, sync: Callable[[torch.nn.Module], None] | None) -> list[torch.Tensor]:
+def _train(model: torch.nn.Module, rank: int, steps: int,
+           sync: Callable[[torch.nn.Module], None] | None) -> list[torch.Tensor]:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     for step in range(steps):
         g = torch.Generator().manual_seed(1000 * rank + step)
@@ -142,11 +147,10 @@ def ddp_and_allreduce_identical(rank: int, world: int, gloo: Any) -> dict[str, b
 
     plain_emu = _train(_mlp(), rank, 3, allreduce_sync(dist.group.WORLD))
     plain_gloo = _train(_mlp(), rank, 3, allreduce_sync(gloo))
-    before = Counter(emulated_op_counts())
-    ddp_emu = ddp(dist.group.WORLD)
-    ddp_counts = dict(Counter(emulated_op_counts()) - before)
+    with meter() as m:
+        ddp_emu = ddp(dist.group.WORLD)
     return {
-        "ddp_counts": ddp_counts,
+        "ddp_counts": m.op_counts,
         "ddp_identical": all(torch.equal(a, b) for a, b in zip(ddp_emu, ddp(gloo))),
         "allreduce_identical": all(torch.equal(a, b) for a, b in zip(plain_emu, plain_gloo)),
     }
@@ -171,18 +175,17 @@ def hsdp_identical(rank: int, world: int) -> dict[str, Any]:
                                  backend_override={"replicate": "gloo", "shard": "gloo"})
     tiers = {d: getattr(emu_mesh.get_group(d), "tier_name", None) for d in names}
     kinds = {d: type(gloo_mesh.get_group(d)).__name__ for d in names}
-    before = Counter(emulated_op_counts())
-    emu = run(emu_mesh)
-    fsdp_counts = dict(Counter(emulated_op_counts()) - before)
+    with meter() as m:
+        emu = run(emu_mesh)
     return {"hsdp_identical": all(torch.equal(a, b) for a, b in zip(emu, run(gloo_mesh))),
-            "hsdp_tiers": tiers, "hsdp_reference_groups": kinds, "hsdp_counts": fsdp_counts}
+            "hsdp_tiers": tiers, "hsdp_reference_groups": kinds, "hsdp_counts": m.op_counts}
 
 
 def every_path(rank: int, world: int) -> dict[str, Any]:
     """Issue each collective kind once under a profiler; count gloo, c10d and emu events."""
-    before = Counter(emulated_op_counts())
     n = 8
-    with torch.profiler.profile(experimental_config=_ExperimentalConfig(profile_all_threads=True)) as prof:
+    all_threads = _ExperimentalConfig(profile_all_threads=True)
+    with meter() as m, torch.profiler.profile(experimental_config=all_threads) as prof:
         t = torch.full((n,), float(rank))
         dist.broadcast(t, src=0)
         dist.barrier()
@@ -202,7 +205,7 @@ def every_path(rank: int, world: int) -> dict[str, Any]:
     events = [e for e in prof.events() if e.name.startswith(("gloo:", "c10d::", "cpdpkit::emu::"))]
     kinds = Counter(e.name.split("[")[0] for e in events)
     return {
-        "path_counts": dict(Counter(emulated_op_counts()) - before),
+        "path_counts": m.op_counts,
         "num_gloo_events": sum(v for k, v in kinds.items() if k.startswith("gloo:")),
         "num_c10d_events": sum(v for k, v in kinds.items() if k.startswith("c10d::")),
         "num_emu_events": sum(v for k, v in kinds.items() if k.startswith("cpdpkit::emu::")),
@@ -233,13 +236,25 @@ def profiler_events(rank: int, out: str) -> dict[str, Any]:
 def counters(gloo: Any) -> dict[str, Any]:
     """What one synchronous 1 MiB all-reduce adds to the per-tier byte and blocked-time counters."""
     x = torch.ones(TIMED_BYTES // 4)
-    me = threading.get_ident()
     dist.barrier(gloo)
-    bytes0, blocked0 = emulated_bytes_by_tier(), blocked_s_by_thread().get(me, 0.0)
-    dist.all_reduce(x)
-    bytes1 = emulated_bytes_by_tier()
-    return {"tier_bytes": {t: bytes1[t] - bytes0.get(t, 0) for t in bytes1},
-            "blocked_s": blocked_s_by_thread().get(me, 0.0) - blocked0}
+    with meter() as m:
+        dist.all_reduce(x)
+    return {"tier_bytes": m.bytes_by_tier, "blocked_s": m.blocked_s}
+
+
+def meter_semantics() -> dict[str, Any]:
+    """Nested meters, a group created inside the block, and a collective waited on by another thread."""
+    x = torch.ones(METER_BYTES // 4)
+    with meter() as outer:
+        dist.all_reduce(x)
+        sub = dist.new_group([0, 1])  # created inside the block: counts from zero
+        with meter() as inner:
+            dist.all_reduce(x, group=sub)
+            other = threading.Thread(target=lambda: dist.broadcast(x, src=0, group=sub))
+            other.start()
+            other.join()  # its wait blocks the other thread, not this one
+    return {"meter_outer_ops": outer.op_counts, "meter_inner_ops": inner.op_counts,
+            "meter_inner_bytes": inner.bytes_by_tier, "meter_inner_blocked_s": inner.blocked_s}
 
 
 def collective_timeout(rank: int) -> dict[str, Any]:
@@ -263,6 +278,7 @@ def job_two_ranks(rank: int, world: int, gloo: Any, out: str) -> dict[str, Any]:
     result.update(every_path(rank, world))
     result["profiler"] = profiler_events(rank, out)
     result.update(counters(gloo))
+    result.update(meter_semantics())
     result.update(collective_timeout(rank))
     return result
 

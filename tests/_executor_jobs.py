@@ -8,6 +8,7 @@ trains the same model with FSDP2 HSDP (``apply_plan``, a whole-shard optimizer, 
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from pathlib import Path
 from typing import Any
@@ -44,11 +45,12 @@ def _plan_and_mesh(plan_dict: dict[str, Any]) -> tuple[Any, Any]:
 def _entry(rank: int, world_size: int, out: str, plan_dict: dict[str, Any], cases: list[dict[str, Any]],
            emulated: bool) -> None:
     info = pj.init_rank(rank, world_size, out, emulated=emulated)
-    from cpdpkit.emulator import emulated_op_counts
+    from cpdpkit.emulator import meter
 
-    plan, mesh = _plan_and_mesh(plan_dict)
-    results = [_run_case(rank, plan, mesh, case) for case in cases]
-    pj.finish_rank(rank, out, {"backend": info.backend, "cases": results, "op_counts": emulated_op_counts()})
+    with meter() if emulated else contextlib.nullcontext() as m:
+        plan, mesh = _plan_and_mesh(plan_dict)
+        results = [_run_case(rank, plan, mesh, case) for case in cases]
+    pj.finish_rank(rank, out, {"backend": info.backend, "cases": results, "op_counts": m.op_counts if m else {}})
 
 
 def _batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

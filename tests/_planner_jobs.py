@@ -8,6 +8,7 @@ what it saw to ``rank<R>.pt``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import warnings
@@ -105,10 +106,11 @@ def finish_rank(rank: int, out: str, saved: dict[str, Any]) -> None:
 
 def _entry(rank: int, world_size: int, out: str, cases: list[dict[str, Any]], emulated: bool) -> None:
     info = init_rank(rank, world_size, out, emulated=emulated)
-    from cpdpkit.emulator import emulated_op_counts
+    from cpdpkit.emulator import meter
 
-    results = [_run_case(rank, world_size, case) for case in cases]
-    finish_rank(rank, out, {"backend": info.backend, "cases": results, "op_counts": emulated_op_counts()})
+    with meter() if emulated else contextlib.nullcontext() as m:
+        results = [_run_case(rank, world_size, case) for case in cases]
+    finish_rank(rank, out, {"backend": info.backend, "cases": results, "op_counts": m.op_counts if m else {}})
 
 
 def _train(model: nn.Module, rank: int) -> list[float]:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cpdpkit.sync import PeriodicSyncOptimizer, hierarchical_groups
+from cpdpkit.sync import PeriodicSyncOptimizer, SyncConfig, hierarchical_groups
 from sync_reference import Workload, batch, make_model, make_optimizer
 
 
@@ -117,13 +117,14 @@ def ddp_wrapped_vs_plain(rank: int, world: int, strategy: str, period: int) -> d
 
 
 def checkpoint_resume(rank: int, world: int, strategy: str, stop_at: int, total: int) -> dict:
-    """An uninterrupted run vs one saved at ``stop_at`` and resumed in fresh objects."""
+    """An uninterrupted run vs one saved at ``stop_at`` and resumed in fresh objects (the
+    config= form, and the LR scheduler attached to the wrapper)."""
     def build():
         model = make_model(0)
-        inner = make_optimizer("adamw", model)
-        opt = PeriodicSyncOptimizer(inner, model=model, strategy=strategy, period=3,
-                                    warmup_steps=1)
-        sched = torch.optim.lr_scheduler.StepLR(inner, step_size=4, gamma=0.5)
+        opt = PeriodicSyncOptimizer(make_optimizer("adamw", model), model=model,
+                                    config=SyncConfig(strategy=strategy, period=3,
+                                                      warmup_steps=1))
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
         return model, opt, sched
 
     model, opt, sched = build()
@@ -145,17 +146,23 @@ def checkpoint_resume(rank: int, world: int, strategy: str, stop_at: int, total:
     opt.load_state_dict(ckpt["opt"])
     sched.load_state_dict(ckpt["sched"])
     _train(opt, model, rank, range(stop_at + 1, total + 1), sched=sched)
-    return {"straight": straight, "resumed": _params(model), "step": opt.step_count}
+    return {"straight": straight, "resumed": _params(model), "step": opt.step_count,
+            "saved_keys": sorted(ckpt["opt"]), "saved_step": ckpt["opt"]["cpdpkit"]["step"],
+            "lr": opt.optim.param_groups[0]["lr"]}
 
 
-def with_scheduler(rank: int, world: int, strategy: str) -> list[torch.Tensor]:
-    """Two param groups and an LR scheduler attached to the inner optimizer."""
-    model = make_model(0)
-    inner = make_optimizer("sgd2groups", model)
-    opt = PeriodicSyncOptimizer(inner, model=model, strategy=strategy, period=2)
-    sched = torch.optim.lr_scheduler.StepLR(inner, step_size=3, gamma=0.5)
-    _train(opt, model, rank, range(1, 9), sched=sched)
-    return _params(model)
+def with_scheduler(rank: int, world: int, strategy: str) -> dict[str, list[torch.Tensor]]:
+    """Two param groups and an LR scheduler attached to the inner optimizer or the wrapper."""
+    out = {}
+    for attach in ("inner", "wrapper"):
+        model = make_model(0)
+        inner = make_optimizer("sgd2groups", model)
+        opt = PeriodicSyncOptimizer(inner, model=model, strategy=strategy, period=2)
+        sched = torch.optim.lr_scheduler.StepLR(inner if attach == "inner" else opt,
+                                                step_size=3, gamma=0.5)
+        _train(opt, model, rank, range(1, 9), sched=sched)
+        out[attach] = _params(model)
+    return out
 
 
 def bad_input(rank: int, world: int) -> dict:
@@ -226,21 +233,22 @@ def emulated_vs_plain(rank: int, world: int) -> dict:
     """cpdp (plain module) and localsgd (DDP-wrapped) over an emulated WAN group vs gloo."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from cpdpkit.emulator import EmulatorConfig, emulated_op_counts, register_emulated_backend
+    from cpdpkit.emulator import EmulatorConfig, meter, register_emulated_backend
     from cpdpkit.topology import preset
 
     register_emulated_backend(EmulatorConfig(topology=preset("wan", world_size=world)))
     emu = dist.new_group(backend="emu")
     out: dict[str, Any] = {}
-    for label, group in (("gloo", None), ("emu", emu)):
-        model = make_model(0, batchnorm=True)
-        opt = PeriodicSyncOptimizer(make_optimizer("adamw", model), model=model, strategy="cpdp",
-                                    period=2, warmup_steps=1, group=group)
-        _train(opt, model, rank, range(1, 6))
-        wrapped = DDP(make_model(0), process_group=group)
-        opt2 = PeriodicSyncOptimizer(make_optimizer("sgd", wrapped), model=wrapped,
-                                     strategy="localsgd", period=2, group=group)
-        _train(opt2, wrapped, rank, range(1, 6))
-        out[label] = (_params(model), [b.clone() for b in model.buffers()], _params(wrapped.module))
-    out["emulated_ops"] = emulated_op_counts()
+    with meter(emu) as m:  # the default group is gloo: meter the emu group's session
+        for label, group in (("gloo", None), ("emu", emu)):
+            model = make_model(0, batchnorm=True)
+            opt = PeriodicSyncOptimizer(make_optimizer("adamw", model), model=model, strategy="cpdp",
+                                        period=2, warmup_steps=1, group=group)
+            _train(opt, model, rank, range(1, 6))
+            wrapped = DDP(make_model(0), process_group=group)
+            opt2 = PeriodicSyncOptimizer(make_optimizer("sgd", wrapped), model=wrapped,
+                                         strategy="localsgd", period=2, group=group)
+            _train(opt2, wrapped, rank, range(1, 6))
+            out[label] = (_params(model), [b.clone() for b in model.buffers()], _params(wrapped.module))
+    out["emulated_ops"] = m.op_counts
     return out

@@ -1,16 +1,26 @@
 """The emulated backend on 2 and 4 spawned gloo ranks: timing, overlap, numerics, coverage.
 
-Each rank count is one spawned job (tests/_emu_jobs.py) shared by all tests of this module.
+Each rank count is one spawned job (tests/_emu_jobs.py) shared by all tests of this module;
+the last tests need no process group (meter's error, the link helper thread's lifetime).
 """
 
 from __future__ import annotations
 
+import gc
 import re
+import subprocess
+import sys
+import textwrap
+import threading
 from typing import Any
 
 import pytest
 
 import _emu_jobs as jobs
+from cpdpkit.emulator import meter
+from cpdpkit.emulator._counters import GroupCounters
+from cpdpkit.emulator._link import Link
+from cpdpkit.errors import DistributedSetupError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
 
@@ -106,7 +116,63 @@ def test_counters_see_one_all_reduce(two: list[dict[str, Any]]) -> None:
         assert modeled * 0.9 <= rank["blocked_s"] <= modeled * 1.2, (rank["blocked_s"], modeled)
 
 
+def test_meter_nests_counts_new_groups_and_times_only_its_thread(two: list[dict[str, Any]]) -> None:
+    n = jobs.METER_BYTES
+    all_reduce_s, broadcast_s = _modeled_s("all_reduce", 2, n), _modeled_s("broadcast", 2, n)
+    for rank in two:
+        assert rank["meter_outer_ops"] == {"all_reduce": 2, "broadcast": 1}
+        assert rank["meter_inner_ops"] == {"all_reduce": 1, "broadcast": 1}
+        wan = jobs.TEST_TOPOLOGY.place(2).group((0, 1))
+        assert rank["meter_inner_bytes"] == {"WAN": wan.wire_bytes("all_reduce", n) + wan.wire_bytes("broadcast", n)}
+        # the broadcast was waited on by another thread: only the all-reduce blocked this one
+        assert all_reduce_s * 0.9 <= rank["meter_inner_blocked_s"] <= all_reduce_s * 1.2 < all_reduce_s + broadcast_s
+
+
 def test_collective_times_out_instead_of_hanging(two: list[dict[str, Any]]) -> None:
     rank0 = two[0]
     assert rank0["timeout_error"] and "Timed out" in rank0["timeout_error"]
     assert 1.5 <= rank0["timeout_after_s"] <= 10
+
+
+# ---- no process group --------------------------------------------------------------------------
+def test_meter_without_an_emulated_group_names_the_fix() -> None:
+    with pytest.raises(DistributedSetupError, match=r"no default process group.*init_distributed\(topology="):
+        meter()
+
+
+class _DoneWork:
+    """Stands in for the wrapped backend's Work."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+
+def test_a_collected_link_joins_its_helper_thread() -> None:
+    counters = GroupCounters()
+    link = Link("collect-test", counters)
+    link.book(label="cpdpkit::emu::barrier[bytes=0]", modeled_s=0.05, inner=_DoneWork(), outputs=[],
+              timeout_s=5.0).wait()
+    (helper,) = [t for t in threading.enumerate() if t.name == "cpdpkit-emu-collect-test"]
+    assert counters.read().blocked_s[threading.get_ident()] >= 0.04  # the wait counted on the group
+    del link
+    gc.collect()
+    assert not helper.is_alive()
+
+
+def test_a_link_still_busy_at_exit_is_completed_and_joined() -> None:
+    script = textwrap.dedent("""
+        from cpdpkit.emulator._counters import GroupCounters
+        from cpdpkit.emulator._link import Link
+
+        class Inner:
+            def wait(self, timeout=None):
+                print("completed", flush=True)
+                return True
+
+        link = Link("exit-test", GroupCounters())
+        link.book(label="cpdpkit::emu::barrier[bytes=0]", modeled_s=0.3, inner=Inner(), outputs=[], timeout_s=5.0)
+        print("exiting", flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["exiting", "completed"]

@@ -73,7 +73,7 @@ def test_alpha_beta_formulas(p: int) -> None:
     ring = 2 * (p - 1) * A + 2 * (p - 1) / p * n / BW
     tree = 2 * log_p * (A + n / BW)
     assert topo.collective_time_s("all_reduce", n, ranks) == pytest.approx(min(ring, tree))
-    assert topo.all_reduce_algorithm(n, ranks) == ("ring" if ring <= tree else "tree")
+    assert topo.collective_cost("all_reduce", n, ranks).algorithm == ("ring" if ring <= tree else "tree")
     for op in ("all_gather", "reduce_scatter", "all_to_all"):
         assert topo.collective_time_s(op, n, ranks) == pytest.approx((p - 1) * A + (p - 1) / p * n / BW)
     bcast = min(log_p * (A + n / BW), (log_p + p - 1) * A + 2 * (p - 1) / p * n / BW)

@@ -10,8 +10,9 @@ timed steps only (after a barrier; max over ranks unless said otherwise):
 * ``exposed_comm_s_per_step``: seconds the training thread spent blocked in the emulated
   backend's ``Work.wait()`` (every collective of every strategy, FSDP2's included, is waited
   there: a harness measure, not a trace analysis).
-* ``tier_bytes_per_step``: payload bytes of the collectives this rank issued, by the tier of
-  their process group (the emulator's count; mean over ranks).
+* ``tier_bytes_per_step``: wire bytes this rank sent in its collectives, by the tier of their
+  process group, as the network model counts them (``cpdpkit.emulator.meter()``, the bytes a plan
+  prices; mean over ranks).
 * ``optimizer_state_bytes_per_rank``: the optimizer's per-element state on this rank (local parts).
 * ``peak_mem_bytes``: RSS high-water mark (``ru_maxrss``) minus RSS just before the model was
   built: includes activations, communication buffers and allocator slack.
@@ -24,7 +25,6 @@ import contextlib
 import json
 import resource
 import sys
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -133,27 +133,27 @@ def _mean(value: float) -> float:
 
 def _train(spec: dict[str, Any], step_fn: Any, rank: int, world: int) -> dict[str, Any]:
     from cpdpkit.bench.gpt import gpt_preset, token_batch
-    from cpdpkit.emulator import emulated_bytes_by_tier
-    from cpdpkit.emulator import blocked_s_by_thread
+    from cpdpkit.emulator import EmulatedProcessGroup, meter
 
-    cfg, me = gpt_preset(spec["model"]), threading.get_ident()
+    cfg = gpt_preset(spec["model"])
+    emulated = isinstance(dist.group.WORLD, EmulatedProcessGroup)
     total = spec["warmup_steps"] + spec["steps"]
     batches = [token_batch(cfg, seed=spec["seed"], step=i, global_batch=world * spec["batch_size"], rank=rank,
                            batch_size=spec["batch_size"]) for i in range(total)]
-    loss, losses = float("nan"), []
-    with _profiled(spec) as prof:
+    loss, losses, m = float("nan"), [], None
+    with _profiled(spec) as prof, contextlib.ExitStack() as measured:
         for i, (x, y) in enumerate(batches):
             if i == spec["warmup_steps"]:
                 dist.barrier()
-                start, blocked0, bytes0 = time.perf_counter(), blocked_s_by_thread().get(me, 0.0), emulated_bytes_by_tier()
+                m = measured.enter_context(meter()) if emulated else None
+                start = time.perf_counter()
             loss = step_fn(x, y)
             losses.append(loss)
             if prof is not None:
                 prof.step()
         elapsed = time.perf_counter() - start
-        blocked = blocked_s_by_thread().get(me, 0.0) - blocked0
-        bytes1 = emulated_bytes_by_tier()
-    tiers = {t: (bytes1.get(t, 0) - bytes0.get(t, 0)) / spec["steps"] for t in bytes1}
+    blocked = m.blocked_s if m is not None else 0.0
+    tiers = {t: b / spec["steps"] for t, b in m.bytes_by_tier.items()} if m is not None else {}
     return {"elapsed": elapsed, "blocked": blocked, "tiers": tiers, "loss": loss, "losses": losses}
 
 

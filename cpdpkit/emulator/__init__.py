@@ -1,23 +1,23 @@
 """Network emulation for torch.distributed: the ``emu`` c10d backend and ``init_distributed``.
 
 Set ``CPDPKIT_TOPOLOGY`` (or pass ``topology=``) and every collective of every process group
-takes the time the :mod:`cpdpkit.topology` model gives its tier, while the data still moves
-through gloo (CPU) or nccl (CUDA) and stays bit-identical.
+takes the time the :mod:`cpdpkit.network` model gives it on its tier, while the data still moves
+through gloo (CPU) or nccl (CUDA) and stays bit-identical. ``with meter() as m:`` reports what a
+block issued: ``m.op_counts``, ``m.bytes_by_tier`` (the model's wire bytes, the same numbers a
+plan prices) and ``m.blocked_s``.
 """
 
 from __future__ import annotations
 
-from cpdpkit.emulator._link import blocked_s_by_thread
 from cpdpkit.emulator.backend import (
     BACKEND_NAME,
     EmulatedProcessGroup,
     EmulatorConfig,
-    emulated_bytes_by_tier,
-    emulated_op_counts,
     register_emulated_backend,
 )
 from cpdpkit.emulator.env import TOPOLOGY_ENV, topology_from_env
 from cpdpkit.emulator.init import DistributedInfo, init_distributed
+from cpdpkit.emulator.metering import Meter, meter
 
 __all__ = [
     "BACKEND_NAME",
@@ -25,10 +25,9 @@ __all__ = [
     "DistributedInfo",
     "EmulatedProcessGroup",
     "EmulatorConfig",
-    "blocked_s_by_thread",
-    "emulated_bytes_by_tier",
-    "emulated_op_counts",
+    "Meter",
     "init_distributed",
+    "meter",
     "register_emulated_backend",
     "topology_from_env",
 ]

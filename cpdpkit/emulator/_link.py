@@ -7,7 +7,12 @@ group run one after another as on one wire. A helper thread per link completes e
 :class:`EmulatedWork` when both the real op and the modeled time are done; the caller keeps
 computing meanwhile and ``wait()`` blocks only for what is left.
 
-Each booking also becomes the profiler event ``cpdpkit::emu::<op>[...]`` (docs/CONTRACTS.md).
+Each link belongs to one group and adds the time threads spend blocked in
+:meth:`EmulatedWork.wait` to that group's :class:`~cpdpkit.emulator._counters.GroupCounters`.
+A ``weakref.finalize`` per link (which does not reference the link) joins its helper thread when
+the link is collected and, at the latest, at interpreter exit.
+
+Each booking also becomes the profiler event ``cpdpkit::emu::<op>[...]`` (docs/contracts.md).
 torch.profiler records a Python thread it did not start only when it runs with
 ``experimental_config=_ExperimentalConfig(profile_all_threads=True)`` (its callbacks are then
 process-global). Then the helper thread emits the event over exactly the modeled link time, on
@@ -19,7 +24,6 @@ for queued collectives is before their link time starts.
 
 from __future__ import annotations
 
-import atexit
 import queue
 import threading
 import time
@@ -31,28 +35,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Link", "Booking", "EmulatedWork", "blocked_s_by_thread"]
+from cpdpkit.emulator._counters import GroupCounters
 
-_blocked_lock = threading.Lock()
-_blocked_s: dict[int, float] = {}  # thread ident -> seconds spent inside EmulatedWork.wait()
-
-
-def blocked_s_by_thread() -> dict[int, float]:
-    """Seconds each thread (by ident) has spent blocked in :meth:`EmulatedWork.wait` so far."""
-    with _blocked_lock:
-        return dict(_blocked_s)
+__all__ = ["Link", "Booking", "EmulatedWork"]
 
 # How long past the process group's timeout a caller waits before declaring the emulator stuck
 # (the wrapped backend normally raises its own timeout error first).
 _WAIT_SLACK_S = 5.0
+# How long a link's finalizer (collection or interpreter exit) waits for its helper thread.
+_FINAL_JOIN_S = 5.0
 
 
 class EmulatedWork(dist.Work):
     """A Work that completes when the real op and the modeled link time have both finished."""
 
-    def __init__(self, booking: Booking) -> None:
+    def __init__(self, booking: Booking, counters: GroupCounters) -> None:
         super().__init__()
         self._booking = booking
+        self._counters = counters
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Block until the modeled time has passed and the real op is done (or time out)."""
@@ -60,10 +60,7 @@ class EmulatedWork(dist.Work):
         try:
             return self._wait(timeout)
         finally:
-            elapsed_s = time.monotonic() - start_s
-            ident = threading.get_ident()
-            with _blocked_lock:
-                _blocked_s[ident] = _blocked_s.get(ident, 0.0) + elapsed_s
+            self._counters.add_blocked(threading.get_ident(), time.monotonic() - start_s)
 
     def _wait(self, timeout: timedelta | None) -> bool:
         b = self._booking
@@ -143,76 +140,91 @@ class Booking:
         self.future.set_result(self.outputs)
 
 
-_ALL_LINKS: weakref.WeakSet[Link] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_all_links() -> None:
-    """For scripts that exit without destroy_process_group(): stop helper threads in time."""
-    for link in list(_ALL_LINKS):
-        link.close(timeout_s=5.0)
-
-
 class Link:
-    """The serialized timeline of one emulated process group and its helper thread."""
+    """The serialized timeline of one emulated process group; a helper thread completes its Works."""
 
-    def __init__(self, name: str) -> None:
-        _ALL_LINKS.add(self)
+    def __init__(self, name: str, counters: GroupCounters) -> None:
         self.name = name
+        self._counters = counters
         self._lock = threading.Lock()
         self._free_at_s = 0.0
-        self._queue: queue.SimpleQueue[Booking] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._worker = _Worker(f"cpdpkit-emu-{name}")
+        # Joins the helper thread when this link is collected, or at exit (finalize's atexit=True):
+        # a thread still holding gloo Works at interpreter exit aborts the process.
+        weakref.finalize(self, self._worker.stop, _FINAL_JOIN_S)
 
-    def book(self, *, label: str, modeled_s: float, inner: Any, outputs: list[torch.Tensor], timeout_s: float) -> EmulatedWork:
+    def book(self, *, label: str, modeled_s: float, inner: Any, outputs: list[torch.Tensor],
+             timeout_s: float) -> EmulatedWork:
         """Reserve the link for ``modeled_s`` from now (or from its end of use) and return the Work."""
         with self._lock:
             start_s = max(time.monotonic(), self._free_at_s)
             end_s = start_s + modeled_s
             self._free_at_s = end_s
-            booking = Booking(label=label, inner=inner, outputs=outputs, start_s=start_s, end_s=end_s, timeout_s=timeout_s)
+            booking = Booking(label=label, inner=inner, outputs=outputs, start_s=start_s, end_s=end_s,
+                              timeout_s=timeout_s)
             _start_profiler_event(booking)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=f"cpdpkit-emu-{self.name}", daemon=True)
-                self._thread.start()
-            self._queue.put(booking)
-        return EmulatedWork(booking)
+            self._worker.submit(booking)
+        return EmulatedWork(booking, self._counters)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop the helper thread after the bookings already queued (process-group shutdown).
 
         Joining it here, while the interpreter is fully alive, keeps torch objects from being
         torn down on a frozen daemon thread at exit (seen as SIGABRT, "terminate called without
-        an active exception").
+        an active exception"). A later booking starts a new helper thread.
         """
+        self._worker.stop(timeout_s)
+
+
+class _Worker:
+    """A link's helper thread and its queue (started on the first booking). It holds no
+    reference to its :class:`Link`, so the link's finalizer can stop it."""
+
+    def __init__(self, thread_name: str) -> None:
+        self._thread_name = thread_name
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[Booking | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, booking: Booking) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=_complete_bookings, args=(self._queue,),
+                                                name=self._thread_name, daemon=True)
+                self._thread.start()
+            self._queue.put(booking)
+
+    def stop(self, timeout_s: float) -> None:
         with self._lock:
             thread, self._thread = self._thread, None
             if thread is not None:
-                self._queue.put(None)  # type: ignore[arg-type]
-        if thread is not None:
+                self._queue.put(None)
+        if thread is not None and thread is not threading.current_thread():
             thread.join(timeout_s)
 
-    def _run(self) -> None:
-        while True:
-            booking = self._queue.get()
-            if booking is None:
-                return
-            try:
-                _sleep_until(booking.start_s)
-                if booking.issuer_handle is not None:
+
+def _complete_bookings(bookings: queue.SimpleQueue[Booking | None]) -> None:
+    """The helper thread: complete each booking at its modeled end, until told to stop (``None``)."""
+    while True:
+        booking = bookings.get()
+        if booking is None:
+            return
+        try:
+            _sleep_until(booking.start_s)
+            if booking.issuer_handle is not None:
+                _sleep_until(booking.end_s)
+                torch.ops.profiler._record_function_exit._RecordFunction(booking.issuer_handle)
+            elif booking.profiling:
+                with torch.profiler.record_function(booking.label):
                     _sleep_until(booking.end_s)
-                    torch.ops.profiler._record_function_exit._RecordFunction(booking.issuer_handle)
-                elif booking.profiling:
-                    with torch.profiler.record_function(booking.label):
-                        _sleep_until(booking.end_s)
-                else:
-                    _sleep_until(booking.end_s)
-            finally:
-                booking.finish_here()
-            # Hold no Work, Future or tensor while idle: a daemon thread's frame that still
-            # references them at interpreter exit makes their C++ destructors run mid-teardown
-            # (seen as "terminate called without an active exception", SIGABRT).
-            del booking
+            else:
+                _sleep_until(booking.end_s)
+        finally:
+            booking.finish_here()
+        # Hold no Work, Future or tensor while idle: a daemon thread's frame that still
+        # references them at interpreter exit makes their C++ destructors run mid-teardown
+        # (seen as "terminate called without an active exception", SIGABRT).
+        del booking
 
 
 def _start_profiler_event(booking: Booking) -> None:

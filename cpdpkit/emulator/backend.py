@@ -3,47 +3,55 @@
 :class:`EmulatedProcessGroup` is a Python subclass of ``torch.distributed.ProcessGroup`` that
 wraps a real process group (gloo for CPU tensors, nccl for CUDA tensors when available). Every
 collective is forwarded unchanged to the real group, so the data results are bit-identical, and
-its Work completes no earlier than :meth:`cpdpkit.topology.Topology.collective_time_s` for the
-group's global ranks allows (see :mod:`cpdpkit.emulator._link`).
+its Work completes no earlier than the network model allows (see :mod:`cpdpkit.emulator._link`).
+
+The emulator asks only the network model: each group holds the
+:class:`~cpdpkit.network.NetworkGroup` of its global ranks (``topology.group(ranks)``; per
+point-to-point peer, the pair's group) and takes both a collective's modeled time and the wire
+bytes it counts from ``group.cost(op, num_bytes)``, so an emulated run counts exactly the bytes
+a plan prices for the same collectives, whichever algorithm the model picked.
 
 Both the Python method names (``dist.*`` calls them) and the names c10d's C++ trampoline looks
-up (DDP's reducer, functional collectives) are overridden; :attr:`EmulatedProcessGroup.op_counts`
-counts what went through, so a test can prove that nothing reached the real backend directly.
+up (DDP's reducer, functional collectives) are overridden, and each group counts what went
+through (:func:`cpdpkit.emulator.meter` reads the counts), so a test can prove that nothing
+reached the real backend directly.
+
+There is no module-level state: :func:`register_emulated_backend` binds its configuration into
+the creator it registers, and the groups that creator makes share one :class:`EmulatorSession`.
 """
 
 from __future__ import annotations
 
+import functools
 import random
 import threading
-from collections import Counter
+import weakref
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from cpdpkit.emulator._counters import GroupCounters
 from cpdpkit.emulator._link import EmulatedWork, Link
 from cpdpkit.errors import DistributedSetupError
-from cpdpkit.topology import Tier, Topology, alpha_beta_time_s, format_ranks
+from cpdpkit.labels import emu_label, format_ranks
+from cpdpkit.network import NetworkGroup
+from cpdpkit.topology import Topology
 
 __all__ = [
     "BACKEND_NAME",
     "EmulatorConfig",
+    "EmulatorSession",
     "EmulatedProcessGroup",
     "register_emulated_backend",
-    "emulated_op_counts",
-    "emulated_bytes_by_tier",
     "jittered_s",
 ]
 
 BACKEND_NAME = "emu"
-
-_state_lock = threading.Lock()
-_config: EmulatorConfig | None = None
-_total_counts: Counter[str] = Counter()
-_total_tier_bytes: dict[str, float] = {}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,48 +72,45 @@ class EmulatorConfig:
             raise TypeError(f"jitter_seed = {self.jitter_seed!r} must be an int")
 
 
+class EmulatorSession:
+    """The groups made by one :func:`register_emulated_backend` call: its config, and a weak
+    reference to each group with that group's counters (what :func:`cpdpkit.emulator.meter`
+    reads). The registered creator and every group hold the session; it holds no group alive."""
+
+    def __init__(self, config: EmulatorConfig) -> None:
+        self.config = config
+        self._lock = threading.Lock()
+        self._groups: weakref.WeakKeyDictionary[EmulatedProcessGroup, GroupCounters] = weakref.WeakKeyDictionary()
+
+    def add(self, group: EmulatedProcessGroup, counters: GroupCounters) -> None:
+        with self._lock:
+            self._groups[group] = counters
+
+    def counters(self) -> list[GroupCounters]:
+        """The counters of every group of this session that is still alive."""
+        with self._lock:
+            return list(self._groups.values())
+
+
 def register_emulated_backend(config: EmulatorConfig) -> None:
-    """Register (or re-point) the ``emu`` backend; later groups use ``config``'s topology."""
-    global _config
-    with _state_lock:
-        _config = config
+    """Register (or re-point) the ``emu`` backend; groups created from now on use ``config``.
+
+    Each call starts a new :class:`EmulatorSession` (c10d replaces the previous creator).
+    """
+    if not isinstance(config, EmulatorConfig):
+        raise TypeError(f"config = {config!r} must be a cpdpkit.emulator.EmulatorConfig")
     devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
-    dist.Backend.register_backend(BACKEND_NAME, _create_emulated_group, extended_api=True, devices=devices)
+    creator = functools.partial(_create_emulated_group, EmulatorSession(config))
+    dist.Backend.register_backend(BACKEND_NAME, creator, extended_api=True, devices=devices)
 
 
-def emulated_op_counts() -> dict[str, int]:
-    """Collectives issued through emulated groups in this process, by canonical op."""
-    with _state_lock:
-        return dict(_total_counts)
+def session_of(group: Any) -> EmulatorSession | None:
+    """The session of ``group`` if it is an emulated process group, else ``None``."""
+    return group._session if isinstance(group, EmulatedProcessGroup) else None
 
 
-def emulated_bytes_by_tier() -> dict[str, int]:
-    """Bytes this process sent through emulated group collectives, by the group's tier, counted
-    with ring-algorithm volumes whatever algorithm the time model picked: all_reduce 2(p-1)/p·n,
-    all_gather / reduce_scatter / all_to_all (p-1)/p·n (n = gathered output / unreduced input),
-    broadcast n, barrier 0. Point-to-point send/recv is not counted."""
-    with _state_lock:
-        return {k: int(v) for k, v in _total_tier_bytes.items()}
-
-
-def _wire_bytes(op: str, num_bytes: int, p: int) -> float:
-    if p <= 1 or op == "barrier":
-        return 0.0
-    if op == "all_reduce":
-        return 2.0 * (p - 1) / p * num_bytes
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (p - 1) / p * num_bytes
-    return float(num_bytes)
-
-
-def _create_emulated_group(opts: Any, backend_options: Any) -> EmulatedProcessGroup:
+def _create_emulated_group(session: EmulatorSession, opts: Any, backend_options: Any) -> EmulatedProcessGroup:
     """The creator c10d calls for every group made with backend ``emu`` (world and sub-groups)."""
-    with _state_lock:
-        config = _config
-    if config is None:
-        raise DistributedSetupError(
-            "backend 'emu' has no topology; call cpdpkit.init_distributed() or register_emulated_backend() first"
-        )
     timeout = opts.timeout if isinstance(opts.timeout, timedelta) else timedelta(seconds=float(opts.timeout))
     ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
     inner = ProcessGroup(opts.store, opts.group_rank, opts.group_size)
@@ -121,10 +126,8 @@ def _create_emulated_group(opts: Any, backend_options: Any) -> EmulatedProcessGr
         backends["cuda"] = nccl
     else:
         inner._set_default_backend(ProcessGroup.BackendType.GLOO)
-    return EmulatedProcessGroup(
-        inner=inner, backends=backends, config=config, global_ranks=ranks, store=opts.store,
-        timeout=timeout, group_id=str(opts.group_id),
-    )
+    return EmulatedProcessGroup(inner=inner, backends=backends, session=session, global_ranks=ranks,
+                                timeout=timeout, group_id=str(opts.group_id))
 
 
 def jittered_s(base_s: float, jitter_frac: float, *, seed: int, key: str) -> float:
@@ -139,14 +142,6 @@ def jittered_s(base_s: float, jitter_frac: float, *, seed: int, key: str) -> flo
     return base_s * (1.0 + jitter_frac * (2.0 * rng.random() - 1.0))
 
 
-def _base_s(op: str, num_bytes: int, tier: Tier | None, p: int) -> float:
-    """Unjittered modeled seconds of ``op`` over ``p`` ranks whose slowest tier is ``tier``
-    (what :meth:`Topology.collective_time_s` gives, without re-deriving the tier every call)."""
-    if tier is None:
-        return 0.0
-    return alpha_beta_time_s(op, num_bytes, p, tier.latency_s, tier.bandwidth_bytes_per_s)[1]
-
-
 def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -158,24 +153,25 @@ def _flat(lists: Iterable[Iterable[torch.Tensor]]) -> list[torch.Tensor]:
 class EmulatedProcessGroup(ProcessGroup):
     """A process group whose collectives take the modeled time of their tier (see module doc)."""
 
-    def __init__(self, *, inner: ProcessGroup, backends: dict[str, Any], config: EmulatorConfig,
-                 global_ranks: Sequence[int], store: Any, timeout: timedelta, group_id: str) -> None:
+    def __init__(self, *, inner: ProcessGroup, backends: dict[str, Any], session: EmulatorSession,
+                 global_ranks: Sequence[int], timeout: timedelta, group_id: str) -> None:
         super().__init__(inner.rank(), inner.size())
         self._inner = inner
-        self._config = config
+        self._session = session
         self._global_ranks = list(global_ranks)
         self._timeout_s = timeout.total_seconds()
         self._group_name = group_id
-        self._link = Link(group_id)
-        self._p2p_links: dict[int, tuple[Link, Tier | None, str]] = {}  # peer -> (link, tier, ranks label)
-        self._seq = 0
-        self.op_counts: Counter[str] = Counter()
-        self._coalescing: list[tuple[str, int]] | None = None
-        # The group's tier never changes: derive it once, not on every collective.
-        self._tier = config.topology.tier_of(self._global_ranks)
-        self.tier_name = self._tier.name if self._tier is not None else "LOCAL"
-        self._jitter_frac = self._tier.jitter_frac if self._tier is not None else 0.0
+        self._network = session.config.topology.group(self._global_ranks)
+        self.tier_name = self._network.tier_name
+        self._jitter_frac = self._network.tier.jitter_frac if self._network.tier is not None else 0.0
         self._ranks_label = format_ranks(self._global_ranks)
+        self._counters = GroupCounters()
+        self._link = Link(group_id, self._counters)
+        self._p2p_links: dict[int, tuple[Link, NetworkGroup]] = {}  # peer (group rank) -> (link, pair's group)
+        self._seq_lock = threading.Lock()
+        self._seq = 0
+        self._coalescing: list[tuple[str, int]] | None = None
+        session.add(self, self._counters)
         for device, backend in backends.items():
             btype = ProcessGroup.BackendType.NCCL if device == "cuda" else ProcessGroup.BackendType.GLOO
             self._register_backend(torch.device(device), btype, backend)
@@ -204,32 +200,37 @@ class EmulatedProcessGroup(ProcessGroup):
 
     @property
     def topology(self) -> Topology:
-        return self._config.topology
+        return self._session.config.topology
+
+    @property
+    def network(self) -> NetworkGroup:
+        """The network model of this group's ranks (what every collective here costs)."""
+        return self._network
 
     # ---- the core: forward, then book the modeled link time ----------------------------------
-    def _modeled_s(self, op: str, num_bytes: int, seq: int) -> float:
-        base_s = _base_s(op, num_bytes, self._tier, len(self._global_ranks))
-        return jittered_s(base_s, self._jitter_frac, seed=self._config.jitter_seed, key=f"{self._group_name}:{seq}")
+    def _next_seq(self) -> int:
+        with self._seq_lock:
+            self._seq += 1
+            return self._seq
 
     def _emulate(self, op: str, model_op: str, num_bytes: int, inner_work: Any,
-                 outputs: list[torch.Tensor], *, count: bool = True) -> EmulatedWork:
-        with _state_lock:  # one lock for the sequence number, this group's and the process's counters
-            self._seq += 1
-            seq = self._seq
-            if count:
-                self.op_counts[op] += 1
-                _total_counts[op] += 1
-                _total_tier_bytes[self.tier_name] = _total_tier_bytes.get(self.tier_name, 0.0) + _wire_bytes(
-                    model_op, num_bytes, len(self._global_ranks))
+                 outputs: list[torch.Tensor]) -> EmulatedWork:
+        """Count ``op`` and book ``model_op``'s modeled cost (``op`` is the label's kind)."""
+        seq = self._next_seq()
+        self._counters.add_op(op)
         if self._coalescing is not None:
             self._coalescing.append((model_op, num_bytes))
-            modeled_s = 0.0  # charged once, when the coalesced batch ends
-        else:
-            modeled_s = self._modeled_s(model_op, num_bytes, seq)
-        label = (
-            f"cpdpkit::emu::{op}[bytes={num_bytes},tier={self.tier_name},"
-            f"ranks={self._ranks_label},modeled_us={modeled_s * 1e6:.1f}]"
-        )
+            # time and bytes are charged once, when the coalesced batch ends
+            return self._book(op, num_bytes, 0.0, 0, seq, inner_work, outputs)
+        cost = self._network.cost(model_op, num_bytes)
+        return self._book(op, num_bytes, cost.time_s, cost.wire_bytes, seq, inner_work, outputs)
+
+    def _book(self, op: str, num_bytes: int, time_s: float, wire_bytes: int, seq: int, inner_work: Any,
+              outputs: list[torch.Tensor]) -> EmulatedWork:
+        self._counters.add_wire_bytes(self.tier_name, wire_bytes)
+        modeled_s = jittered_s(time_s, self._jitter_frac, seed=self._session.config.jitter_seed,
+                               key=f"{self._group_name}:{seq}")
+        label = emu_label(op, num_bytes=num_bytes, tier=self.tier_name, ranks=self._ranks_label, modeled_s=modeled_s)
         return self._link.book(label=label, modeled_s=modeled_s, inner=inner_work, outputs=outputs,
                                timeout_s=self._timeout_s)
 
@@ -266,7 +267,8 @@ class EmulatedProcessGroup(ProcessGroup):
 
     _allgather_base = all_gather_single
 
-    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> EmulatedWork:
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                    opts: Any = None) -> EmulatedWork:
         opts = opts if opts is not None else dist.AllgatherOptions()
         work = self._inner.all_gather_single_coalesced(outputs, inputs, opts)
         return self._emulate("all_gather", "all_gather", _nbytes(outputs), work, list(outputs))
@@ -286,7 +288,8 @@ class EmulatedProcessGroup(ProcessGroup):
 
     _reduce_scatter_base = reduce_scatter_single
 
-    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> EmulatedWork:
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> EmulatedWork:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         work = self._inner.reduce_scatter_single_coalesced(outputs, inputs, opts)
         return self._emulate("reduce_scatter", "reduce_scatter", _nbytes(inputs), work, list(outputs))
@@ -338,30 +341,33 @@ class EmulatedProcessGroup(ProcessGroup):
     # ---- point to point ------------------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> EmulatedWork:
         work = self._inner.send(tensors, dst, tag)
-        return self._p2p(tensors, dst, work)
+        return self._p2p(tensors, dst, work, sending=True)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> EmulatedWork:
         work = self._inner.recv(tensors, src, tag)
-        return self._p2p(tensors, src, work)
+        return self._p2p(tensors, src, work, sending=False)
 
-    def _p2p(self, tensors: list[torch.Tensor], peer: int, work: Any) -> EmulatedWork:
+    def _p2p(self, tensors: list[torch.Tensor], peer: int, work: Any, *, sending: bool) -> EmulatedWork:
+        """Book a send or recv on the link to ``peer``, priced by the pair's network group.
+
+        The sender counts the wire bytes (a recv sends nothing); p2p is not jittered, since the
+        two sides have no common sequence number to draw the same factor from.
+        """
         route = self._p2p_links.get(peer)
         if route is None:
             # Point-to-point traffic has its own link per peer direction, not the group's timeline.
-            pair = [self._global_ranks[self.rank()], self._global_ranks[peer]]
-            route = self._p2p_links.setdefault(peer, (Link(f"{self._group_name}-p2p-{pair[0]}-{pair[1]}"),
-                                                      self._config.topology.tier_of(pair), format_ranks(pair)))
-        link, tier, ranks_label = route
+            me, other = self._global_ranks[self.rank()], self._global_ranks[peer]
+            route = self._p2p_links.setdefault(
+                peer, (Link(f"{self._group_name}-p2p-{me}-{other}", self._counters), self.topology.group((me, other))))
+        link, network = route
         num_bytes = _nbytes(tensors)
-        modeled_s = _base_s("send_recv", num_bytes, tier, 2)
-        with _state_lock:
-            self.op_counts["send_recv"] += 1
-            _total_counts["send_recv"] += 1
-        label = (
-            f"cpdpkit::emu::send_recv[bytes={num_bytes},tier={tier.name if tier else 'LOCAL'},"
-            f"ranks={ranks_label},modeled_us={modeled_s * 1e6:.1f}]"
-        )
-        return link.book(label=label, modeled_s=modeled_s, inner=work, outputs=list(tensors),
+        cost = network.cost("send_recv", num_bytes)
+        self._counters.add_op("send_recv")
+        if sending:
+            self._counters.add_wire_bytes(network.tier_name, cost.wire_bytes)
+        label = emu_label("send_recv", num_bytes=num_bytes, tier=network.tier_name, ranks=format_ranks(network.ranks),
+                          modeled_s=cost.time_s)
+        return link.book(label=label, modeled_s=cost.time_s, inner=work, outputs=list(tensors),
                          timeout_s=self._timeout_s)
 
     # ---- coalescing (dist._coalescing_manager) -------------------------------------------------
@@ -372,19 +378,25 @@ class EmulatedProcessGroup(ProcessGroup):
     start_coalescing = _start_coalescing
 
     def _end_coalescing(self, device: torch.device) -> EmulatedWork:
+        """Charge the batch once: one collective of the summed bytes when every op is of one
+        kind (as a fused launch), else the sum of each op's own cost (labelled ``other``)."""
         work = self._inner._end_coalescing(device)
         batch, self._coalescing = self._coalescing or [], None
+        seq = self._next_seq()
+        total = sum(n for _, n in batch)
         kinds = {op for op, _ in batch}
-        model_op = next(iter(kinds)) if len(kinds) == 1 else "all_reduce"
-        label_op = model_op if len(kinds) == 1 else "other"
-        # the batch's ops were counted one by one; this booking only charges the link time
-        return self._emulate(label_op, model_op, sum(b for _, b in batch), work, [], count=False)
+        if len(kinds) == 1:
+            cost = self._network.cost(next(iter(kinds)), total)
+            return self._book(cost.op, total, cost.time_s, cost.wire_bytes, seq, work, [])
+        costs = [self._network.cost(op, n) for op, n in batch]
+        return self._book("other", total, sum(c.time_s for c in costs), sum(c.wire_bytes for c in costs), seq,
+                          work, [])
 
     end_coalescing = _end_coalescing
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def shutdown(self) -> None:
-        for link in (self._link, *(link for link, _, _ in self._p2p_links.values())):
+        for link in (self._link, *(link for link, _ in self._p2p_links.values())):
             link.close()
         self._inner.shutdown()
 

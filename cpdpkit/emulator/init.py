@@ -52,7 +52,8 @@ def _env_int(name: str, default: int) -> int:
     try:
         return int(value)
     except ValueError:
-        raise DistributedSetupError(f"{name} = {value!r} is not an integer; launch with torchrun or cpdpkit launch") from None
+        raise DistributedSetupError(
+            f"{name} = {value!r} is not an integer; launch with torchrun or cpdpkit launch") from None
 
 
 def init_distributed(

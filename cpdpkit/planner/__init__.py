@@ -7,6 +7,13 @@ per-parameter ``Shard(dim)`` placements, optimizer-state sharding across the rep
 per-rank bytes and per-tier traffic priced with the topology's α-β model, and (with state
 sharding) the two-stage schedule of the updated-parameter exchanges (:func:`plan_two_stage`).
 :func:`~cpdpkit.planner.apply.apply_plan` (imports torch) applies a plan with FSDP2.
+
+Imports point one way, all at module level: records that import no algorithm (``config``;
+``model_spec``; ``timeline``, the schedule's records; ``plan``, which carries a ``timeline``
+schedule) <- ``presets`` (shapes, and :func:`load_model_spec` for any model input) and the
+algorithms ``_cost`` and ``schedule`` <- ``planner`` (the search). Only the torch-backed
+``apply_plan`` and ``TwoStageExecutor`` load late, through ``__getattr__``, so that importing
+this package does not import torch.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from cpdpkit.planner.config import PlannerConfig, PlannerError, format_bytes, parse_bytes
-from cpdpkit.planner.model_spec import BlockSpec, ModelSpec, ParamSpec, load_model_spec
+from cpdpkit.planner.model_spec import BlockSpec, ModelSpec, ParamSpec
 from cpdpkit.planner.plan import (
     CommPhase,
     MeshPlan,
@@ -25,16 +32,9 @@ from cpdpkit.planner.plan import (
     UnitPlan,
 )
 from cpdpkit.planner.planner import fsdp2_default_plan, plan_sharding, planning_summary
-from cpdpkit.planner.presets import MODEL_PRESETS, model_preset
-from cpdpkit.planner.schedule import (
-    ExchangeSlot,
-    LinkInterval,
-    TwoStageSchedule,
-    UnitTiming,
-    estimate_unit_timings,
-    plan_two_stage,
-    schedule_two_stage,
-)
+from cpdpkit.planner.presets import MODEL_PRESETS, load_model_spec, model_preset
+from cpdpkit.planner.schedule import estimate_unit_timings, plan_two_stage, schedule_two_stage
+from cpdpkit.planner.timeline import ExchangeSlot, LinkInterval, TwoStageSchedule, UnitTiming
 
 __all__ = [
     "BlockSpec",

@@ -2,10 +2,9 @@
 
 Everything is computed per unique parameter shape (cached) and per *shard position* (the
 rank's index on the shard axis), never per rank × parameter, so 1,024 ranks cost little.
-Collective times come from :func:`cpdpkit.topology.alpha_beta_time_s` with the tier
-:meth:`cpdpkit.topology.Topology.tier_of` gives each group: exactly what
-:meth:`~cpdpkit.topology.Topology.collective_time_s` (and so the emulator) computes, with the
-group's tier looked up once instead of once per call.
+Collective times and wire bytes come from the one network model: the
+:class:`~cpdpkit.network.NetworkGroup` that :meth:`cpdpkit.topology.Topology.group` gives each
+group, the same object the emulator asks, so a plan's bytes equal an emulated run's counts.
 """
 
 from __future__ import annotations
@@ -18,7 +17,8 @@ import numpy as np
 
 from cpdpkit.planner.config import PlannerConfig, ceil_div
 from cpdpkit.planner.plan import CommPhase, RankBytes
-from cpdpkit.topology import Topology, alpha_beta_time_s
+from cpdpkit.network import NetworkGroup
+from cpdpkit.topology import Topology
 
 __all__ = ["Layout", "shard_layout", "UnitGeom", "CostModel", "Candidate", "Evaluation"]
 
@@ -85,52 +85,31 @@ class Evaluation:
 
 
 class CostModel:
-    """α-β costs of groups of a placed topology, memoised per (op, bytes, group)."""
+    """The network groups of a placed topology, addressed as ``(start, stop, step)`` rank ranges."""
 
     def __init__(self, topology: Topology) -> None:
         self.topology = topology
         self.world_size: int = topology.world_size  # type: ignore[assignment]
-        self._tiers: dict[tuple[int, int, int], tuple[str | None, float, float]] = {}
-        self._times: dict[tuple[str, int, tuple[int, int, int]], tuple[float, int]] = {}
 
-    def group_tier(self, group: tuple[int, int, int]) -> tuple[str | None, float, float]:
-        """(tier name, latency_s, bandwidth) of ``range(*group)``; group = (start, stop, step)."""
-        if group not in self._tiers:
-            tier = self.topology.tier_of(range(*group))
-            self._tiers[group] = (None, 0.0, 1.0) if tier is None else (
-                tier.name, tier.latency_s, tier.bandwidth_bytes_per_s)
-        return self._tiers[group]
+    def group(self, group: tuple[int, int, int]) -> NetworkGroup:
+        """The :class:`~cpdpkit.network.NetworkGroup` of ``range(*group)`` (cached by the topology)."""
+        return self.topology.group(range(*group))
 
-    def cost(self, op: str, num_bytes: int, group: tuple[int, int, int]) -> tuple[float, int]:
-        """(seconds, bytes one rank sends) of ``op`` on ``num_bytes`` over ``range(*group)``."""
-        key = (op, num_bytes, group)
-        if key not in self._times:
-            p = len(range(*group))
-            name, latency_s, bandwidth = self.group_tier(group)
-            if name is None or p < 2:
-                self._times[key] = (0.0, 0)
-            else:
-                algorithm, time_s = alpha_beta_time_s(op, num_bytes, p, latency_s, bandwidth)
-                frac = (p - 1) / p
-                factor = {"ring": 2 * frac if op == "all_reduce" else frac,
-                          "tree": 2 * math.ceil(math.log2(p))}.get(algorithm, frac)
-                self._times[key] = (time_s, int(round(factor * num_bytes)))
-        return self._times[key]
+    def tier_name(self, group: tuple[int, int, int]) -> str | None:
+        """The tier of ``range(*group)``; ``None`` for a single rank."""
+        tier = self.group(group).tier
+        return tier.name if tier is not None else None
 
 
 def _phase(model: CostModel, name: str, op: str, axis: str, group: tuple[int, int, int],
            sizes: list[int]) -> CommPhase | None:
     if not sizes or len(range(*group)) < 2:
         return None
-    time_s, wire = 0.0, 0
-    for n in sizes:
-        t, w = model.cost(op, n, group)
-        time_s += t
-        wire += w
-    tier, _, _ = model.group_tier(group)
-    return CommPhase(name=name, op=op, axis=axis, tier=tier, num_ranks=len(range(*group)),
-                     num_collectives=len(sizes), collective_bytes=sum(sizes), wire_bytes_per_rank=wire,
-                     time_s=time_s)
+    net = model.group(group)
+    costs = [net.cost(op, n) for n in sizes]
+    return CommPhase(name=name, op=op, axis=axis, tier=model.tier_name(group), num_ranks=net.num_ranks,
+                     num_collectives=len(sizes), collective_bytes=sum(sizes),
+                     wire_bytes_per_rank=sum(c.wire_bytes for c in costs), time_s=sum(c.time_s for c in costs))
 
 
 def comm_phases(model: CostModel, units: list[UnitGeom], cand: Candidate,

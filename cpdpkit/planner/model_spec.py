@@ -2,8 +2,9 @@
 
 A :class:`ModelSpec` comes from an ``nn.Module`` (:meth:`ModelSpec.from_module`; build it on
 the meta device and a 70B model costs no memory), from ``"package.module:factory"``
-(:func:`load_model_spec`) or from a preset of public architecture shapes
-(:mod:`cpdpkit.planner.presets`). Torch is imported only to read a module.
+(:meth:`ModelSpec.from_factory`) or from a preset of public architecture shapes
+(:mod:`cpdpkit.planner.presets`, which also holds :func:`~cpdpkit.planner.presets.load_model_spec`,
+the one entry point for all of these). Torch is imported only to read a module.
 
 *Blocks* are the smallest modules the planner may give their own ``fully_shard``: the
 non-container children of every ``nn.ModuleList`` / ``nn.Sequential`` (recursively), or, when
@@ -21,7 +22,7 @@ from typing import Any, Mapping
 
 from cpdpkit.planner.config import PlannerError, Record
 
-__all__ = ["ParamSpec", "BlockSpec", "ModelSpec", "load_model_spec", "ROOT"]
+__all__ = ["ParamSpec", "BlockSpec", "ModelSpec", "ROOT"]
 
 ROOT = -1  # ParamSpec.block of a parameter that belongs to the root unit
 
@@ -110,6 +111,23 @@ class ModelSpec:
                        for fqn, p in module.named_parameters())
         return cls(name=name or type(module).__name__, params=params, blocks=blocks)
 
+    @classmethod
+    def from_factory(cls, path: str) -> ModelSpec:
+        """Read the module ``"package.module:factory"`` builds (called with no arguments).
+
+        The factory runs under ``torch.device("meta")``, so it allocates nothing.
+        """
+        module_name, _, attr = path.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise PlannerError(f"model {path!r} cannot be loaded ({exc}); check 'package.module:factory'") from None
+        import torch
+
+        with torch.device("meta"):
+            module = factory()
+        return cls.from_module(module, name=path)
+
 
 def _is_container(module: Any) -> bool:
     from torch import nn
@@ -128,28 +146,3 @@ def _collect_blocks(module: Any, prefix: str, out: list[tuple[str, str]], *, ins
                 out.append((fqn, prefix))
         elif has_params:
             _collect_blocks(child, fqn, out, inside_container=False)
-
-
-def load_model_spec(spec: Any) -> ModelSpec:
-    """A :class:`ModelSpec` from a spec, an ``nn.Module``, a preset name or ``"pkg.mod:factory"``.
-
-    The factory is called with no arguments under ``torch.device("meta")``, so it allocates nothing.
-    """
-    if isinstance(spec, ModelSpec):
-        return spec
-    if not isinstance(spec, str):
-        return ModelSpec.from_module(spec)
-    if ":" not in spec:
-        from cpdpkit.planner.presets import model_preset
-
-        return model_preset(spec)  # names the presets when there is none of that name
-    module_name, _, attr = spec.partition(":")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise PlannerError(f"model {spec!r} cannot be loaded ({exc}); check 'package.module:factory'") from None
-    import torch
-
-    with torch.device("meta"):
-        module = factory()
-    return ModelSpec.from_module(module, name=spec)

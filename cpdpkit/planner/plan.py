@@ -17,13 +17,11 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
-from cpdpkit.planner.config import PlannerConfig, Record
+from cpdpkit.planner.config import PlannerConfig, PlannerError, Record
+from cpdpkit.planner.timeline import TwoStageSchedule
 from cpdpkit.topology import Topology
-
-if TYPE_CHECKING:
-    from cpdpkit.planner.schedule import TwoStageSchedule
 
 __all__ = [
     "ParamPlacement",
@@ -261,9 +259,6 @@ class ShardingPlan:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ShardingPlan:
-        from cpdpkit.planner.config import PlannerError
-        from cpdpkit.planner.schedule import TwoStageSchedule
-
         version = data.get("format_version")
         if version != PLAN_FORMAT_VERSION:
             raise PlannerError(f"plan format_version = {version!r} is not supported; re-run cpdpkit plan "

@@ -32,8 +32,9 @@ import numpy as np
 
 from cpdpkit.planner._cost import Candidate, CostModel, Evaluation, UnitGeom, _is_int, evaluate, shard_layout
 from cpdpkit.planner.config import PlannerConfig, PlannerError, ceil_div, format_bytes
-from cpdpkit.planner.model_spec import ROOT, ModelSpec, load_model_spec
+from cpdpkit.planner.model_spec import ROOT, ModelSpec
 from cpdpkit.planner.plan import MeshPlan, ParamPlacement, ShardingPlan, StateSharding, UnitPlan
+from cpdpkit.planner.presets import load_model_spec
 from cpdpkit.planner.schedule import plan_two_stage
 from cpdpkit.topology import Topology, resolve_topology
 
@@ -203,8 +204,8 @@ def _mesh(topo: Topology, shard_size: int) -> MeshPlan:
     model = CostModel(topo)
     shape, names = ((shard_size,), ("shard",)) if replicas == 1 else ((replicas, shard_size), ("replicate", "shard"))
     return MeshPlan(shape=shape, dim_names=names, shard_size=shard_size, replicate_size=replicas,
-                    shard_tier=model.group_tier((0, shard_size, 1))[0],
-                    replicate_tier=model.group_tier((0, world, shard_size))[0])
+                    shard_tier=model.tier_name((0, shard_size, 1)),
+                    replicate_tier=model.tier_name((0, world, shard_size)))
 
 
 def _all_gather_order(units: list[UnitPlan]) -> list[tuple[str, str]]:

@@ -11,16 +11,20 @@ Shapes follow the public configs and reference implementations (no weights):
   vocab 32000), 68,976,648,192 params.
 
 Parameter names follow the reference code (torchvision, timm, Meta's llama ``model.py``).
+
+:func:`load_model_spec` resolves any model input (a spec, an ``nn.Module``, a preset name or
+``"package.module:factory"``) here, where both the presets and :mod:`~cpdpkit.planner.model_spec`
+are visible.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from cpdpkit.planner.config import PlannerError
 from cpdpkit.planner.model_spec import ROOT, BlockSpec, ModelSpec, ParamSpec
 
-__all__ = ["MODEL_PRESETS", "model_preset", "llama_spec"]
+__all__ = ["MODEL_PRESETS", "model_preset", "llama_spec", "load_model_spec"]
 
 
 class _Builder:
@@ -133,3 +137,17 @@ def model_preset(name: str) -> ModelSpec:
     if name not in MODEL_PRESETS:
         raise PlannerError(f"unknown model preset {name!r}; use one of {', '.join(MODEL_PRESETS)} or 'package.module:factory'")
     return MODEL_PRESETS[name]()
+
+
+def load_model_spec(spec: Any) -> ModelSpec:
+    """A :class:`ModelSpec` from a spec, an ``nn.Module``, a preset name or ``"pkg.mod:factory"``.
+
+    The factory is called with no arguments under ``torch.device("meta")``, so it allocates nothing.
+    """
+    if isinstance(spec, ModelSpec):
+        return spec
+    if not isinstance(spec, str):
+        return ModelSpec.from_module(spec)
+    if ":" not in spec:
+        return model_preset(spec)  # names the presets when there is none of that name
+    return ModelSpec.from_factory(spec)

@@ -18,8 +18,8 @@ when its exchange runs on the slow link.
 * The next forward runs units in plan order; unit ``u``'s *deadline* is the time its forward
   starts when nothing waits: ``B`` + the forward times of the units before it.
 * Each all-gather's duration is the α-β time of the replicate group's tier
-  (:class:`~cpdpkit.planner._cost.CostModel`, the same numbers as the plan's
-  ``parameter all-gather`` phase). One link, one transfer at a time.
+  (:meth:`cpdpkit.topology.Topology.group`, the same numbers as the plan's
+  ``parameter all-gather`` phase and the emulator). One link, one transfer at a time.
 
 **Algorithm: non-preemptive earliest-deadline-first with release times, backfilled into the
 gaps between reduce-scatters.** Whenever the link is free, among exchanges already released
@@ -46,25 +46,29 @@ schedule beats; the root unit (forward first, gradient last) usually sets it.
 Not modeled: the shard-axis (fast tier) collectives, compute slowed by communication, and
 per-unit update times that differ. Timings come from measurement or
 :func:`estimate_unit_timings` (6·params·tokens FLOPs at a configurable rate).
+
+The records (:class:`~cpdpkit.planner.timeline.TwoStageSchedule` and its parts) live in
+:mod:`cpdpkit.planner.timeline`, which imports no algorithm, so a plan can carry a schedule.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Sequence
 
-from cpdpkit.planner.config import PlannerError, Record
-
-if TYPE_CHECKING:
-    from cpdpkit.planner.plan import ShardingPlan
-    from cpdpkit.topology import Topology
+from cpdpkit.planner.config import PlannerError
+from cpdpkit.planner.plan import ShardingPlan
+from cpdpkit.planner.timeline import (
+    EPS_S,
+    ExchangeSlot,
+    LinkInterval,
+    TwoStageSchedule,
+    UnitTiming,
+    check_seconds,
+)
+from cpdpkit.topology import Topology
 
 __all__ = [
-    "UnitTiming",
-    "ExchangeSlot",
-    "LinkInterval",
-    "TwoStageSchedule",
     "estimate_unit_timings",
     "schedule_two_stage",
     "plan_two_stage",
@@ -76,117 +80,6 @@ __all__ = [
 ALGORITHM = "non-preemptive EDF with release times, reduce-scatters first, backfilled"
 DEFAULT_TOKENS_PER_RANK = 4096  # one 4k-token sequence per rank per step
 DEFAULT_FLOPS_PER_S = 125e12  # an A100's 312 TFLOP/s bf16 at 40 % MFU
-_EPS = 1e-12  # float slack when comparing times
-
-
-def _check_time(name: str, value: Any) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
-    if not ok:
-        raise PlannerError(f"{name} = {value!r} is invalid; use a finite number of seconds >= 0")
-
-
-@dataclass(frozen=True, kw_only=True)
-class UnitTiming(Record):
-    """Measured or estimated compute seconds of one unit's forward and backward on one rank."""
-
-    name: str
-    forward_s: float
-    backward_s: float
-
-    def __post_init__(self) -> None:
-        _check_time(f"{self.name}.forward_s", self.forward_s)
-        _check_time(f"{self.name}.backward_s", self.backward_s)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ExchangeSlot(Record):
-    """One unit's updated-parameter all-gather across replicas, as scheduled.
-
-    ``release_s``: its update is done (reduce-scatter end + update); ``deadline_s``: its next
-    forward starts if nothing waits; ``stage`` 1 ends by the end of backward, 2 during the next
-    forward; ``order``: position on the link among exchanges; ``wait_s``: how long the next
-    forward actually waits for it (the exposed time it causes).
-    """
-
-    unit: str
-    num_bytes: int
-    tier: str | None
-    grad_ready_s: float
-    release_s: float
-    deadline_s: float
-    duration_s: float
-    start_s: float
-    end_s: float
-    stage: int
-    order: int
-    wait_s: float
-
-    @property
-    def late_s(self) -> float:
-        """How far the exchange ends past its deadline (0 when on time)."""
-        return max(0.0, self.end_s - self.deadline_s)
-
-
-@dataclass(frozen=True, kw_only=True)
-class LinkInterval(Record):
-    """A busy interval of the slow link: ``kind`` is ``reduce_scatter`` or ``all_gather``."""
-
-    kind: str
-    unit: str
-    start_s: float
-    end_s: float
-
-
-@dataclass(frozen=True, kw_only=True)
-class TwoStageSchedule(Record):
-    """The exchange schedule of one step (see the module docstring for the model).
-
-    ``slots`` are in plan (forward) order; ``link_intervals`` in time order. ``*_exposed_s`` is
-    what the next forward waits on exchanges; ``*_makespan_s`` the end of the next forward.
-    """
-
-    algorithm: str
-    tier: str | None
-    update_s: float
-    backward_s: float
-    forward_s: float
-    timings: tuple[UnitTiming, ...]
-    slots: tuple[ExchangeSlot, ...]
-    link_intervals: tuple[LinkInterval, ...]
-    exposed_s: float
-    makespan_s: float
-    naive_exposed_s: float
-    naive_makespan_s: float
-    lower_bound_exposed_s: float
-
-    def __post_init__(self) -> None:
-        for name in ("timings", "slots", "link_intervals"):
-            object.__setattr__(self, name, tuple(getattr(self, name)))
-
-    @property
-    def num_stage1(self) -> int:
-        return sum(s.stage == 1 for s in self.slots)
-
-    @property
-    def num_stage2(self) -> int:
-        return sum(s.stage == 2 for s in self.slots)
-
-    @property
-    def deadline_misses(self) -> tuple[ExchangeSlot, ...]:
-        """Slots that end after their deadline (the forward may wait on them)."""
-        return tuple(s for s in self.slots if s.late_s > _EPS)
-
-    def to_dict(self) -> dict[str, Any]:
-        out = super().to_dict()
-        for name in ("timings", "slots", "link_intervals"):
-            out[name] = [x.to_dict() for x in out[name]]
-        return out
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> TwoStageSchedule:
-        return cls(**{**data, "timings": tuple(UnitTiming.from_dict(t) for t in data["timings"]),
-                      "slots": tuple(ExchangeSlot.from_dict(s) for s in data["slots"]),
-                      "link_intervals": tuple(LinkInterval.from_dict(i) for i in data["link_intervals"])})
 
 
 def estimate_unit_timings(plan: ShardingPlan, *, tokens_per_rank: int = DEFAULT_TOKENS_PER_RANK,
@@ -231,21 +124,21 @@ def _edf(release: list[float], deadline: list[float], dur: list[float],
     todo = set(range(len(release)))
     t = 0.0
     while todo:
-        inside = next((end for s, end in busy if s <= t + _EPS < end), None)
+        inside = next((end for s, end in busy if s <= t + EPS_S < end), None)
         while inside is not None:  # the link is in a reduce-scatter (or back-to-back ones): wait
             t = inside
-            inside = next((end for s, end in busy if s <= t + _EPS < end), None)
-        gap_end = next((s for s, _ in busy if s > t + _EPS), math.inf)
-        ready = [j for j in todo if release[j] <= t + _EPS]
-        fits = [j for j in ready if t + dur[j] <= gap_end + _EPS]
+            inside = next((end for s, end in busy if s <= t + EPS_S < end), None)
+        gap_end = next((s for s, _ in busy if s > t + EPS_S), math.inf)
+        ready = [j for j in todo if release[j] <= t + EPS_S]
+        fits = [j for j in ready if t + dur[j] <= gap_end + EPS_S]
         if fits:
             j = min(fits, key=lambda k: (deadline[k], k))
             start[j] = t
             t += dur[j]
             todo.discard(j)
             continue
-        next_release = min((release[j] for j in todo if release[j] > t + _EPS), default=math.inf)
-        after_gap = next((end for s, end in busy if s >= gap_end - _EPS), math.inf) if ready else math.inf
+        next_release = min((release[j] for j in todo if release[j] > t + EPS_S), default=math.inf)
+        after_gap = next((end for s, end in busy if s >= gap_end - EPS_S), math.inf) if ready else math.inf
         t = min(next_release, after_gap)
         assert math.isfinite(t), "an exchange can always run after the last reduce-scatter"
     return start
@@ -268,10 +161,10 @@ def schedule_two_stage(timings: Sequence[UnitTiming], *, reduce_scatter_s: Seque
     if n == 0 or not len(reduce_scatter_s) == len(all_gather_s) == len(num_bytes) == n:
         raise PlannerError(f"schedule_two_stage needs one timing, reduce-scatter time, all-gather time and byte "
                          f"count per unit (got {n}, {len(reduce_scatter_s)}, {len(all_gather_s)}, {len(num_bytes)})")
-    _check_time("update_s", update_s)
+    check_seconds("update_s", update_s)
     for i in range(n):
-        _check_time(f"reduce_scatter_s[{i}]", reduce_scatter_s[i])
-        _check_time(f"all_gather_s[{i}]", all_gather_s[i])
+        check_seconds(f"reduce_scatter_s[{i}]", reduce_scatter_s[i])
+        check_seconds(f"all_gather_s[{i}]", all_gather_s[i])
     ready, rs = _reduce_scatters(timings, reduce_scatter_s)
     backward_s = sum(t.backward_s for t in timings)
     forward = [t.forward_s for t in timings]
@@ -285,7 +178,7 @@ def schedule_two_stage(timings: Sequence[UnitTiming], *, reduce_scatter_s: Seque
     slots = tuple(ExchangeSlot(
         unit=timings[i].name, num_bytes=int(num_bytes[i]), tier=tier, grad_ready_s=ready[i], release_s=release[i],
         deadline_s=deadline[i], duration_s=dur[i], start_s=start[i], end_s=end[i],
-        stage=1 if end[i] <= backward_s + _EPS else 2, order=rank[i], wait_s=waits[i]) for i in range(n))
+        stage=1 if end[i] <= backward_s + EPS_S else 2, order=rank[i], wait_s=waits[i]) for i in range(n))
     link = [LinkInterval(kind="reduce_scatter", unit=timings[i].name, start_s=rs[i][0], end_s=rs[i][1])
             for i in range(n)]
     link += [LinkInterval(kind="all_gather", unit=timings[i].name, start_s=start[i], end_s=end[i])
@@ -316,8 +209,6 @@ def plan_two_stage(plan: ShardingPlan, topology: Topology | None = None,
     size; ``timings`` (any order, one per unit; default :func:`estimate_unit_timings`) give
     compute seconds. ``None`` when the plan has no replicate axis or does not shard state.
     """
-    from cpdpkit.planner._cost import CostModel
-
     if plan.mesh.replicate_size < 2 or plan.state_sharding.axis != "replicate":
         return None
     topo = plan.topology if topology is None else topology
@@ -330,13 +221,12 @@ def plan_two_stage(plan: ShardingPlan, topology: Topology | None = None,
         extra = sorted(set(by_name) - {u.name for u in plan.units})
         raise PlannerError(f"timings must name every unit of the plan exactly once; missing {missing[:3]}, "
                          f"unknown {extra[:3]} (unit names: {[u.name for u in plan.units][:3]}...)")
-    model = CostModel(topo)
     s = plan.mesh.shard_size
-    group = (0, plan.world_size, s)
+    net = topo.group(range(0, plan.world_size, s))
     chunks = [u.padded_numel // s for u in plan.units]
     pb, gb = plan.config.param_bytes, plan.config.grad_bytes
     return schedule_two_stage(
         [by_name[u.name] for u in plan.units],
-        reduce_scatter_s=[model.cost("reduce_scatter", c * gb, group)[0] for c in chunks],
-        all_gather_s=[model.cost("all_gather", c * pb, group)[0] for c in chunks],
-        num_bytes=[c * pb for c in chunks], tier=model.group_tier(group)[0], update_s=update_s)
+        reduce_scatter_s=[net.time_s("reduce_scatter", c * gb) for c in chunks],
+        all_gather_s=[net.time_s("all_gather", c * pb) for c in chunks],
+        num_bytes=[c * pb for c in chunks], tier=net.tier.name if net.tier else None, update_s=update_s)

@@ -1,0 +1,74 @@
+"""What one emulated process group has done: its counters, and their immutable snapshots.
+
+Each :class:`~cpdpkit.emulator.backend.EmulatedProcessGroup` owns one :class:`GroupCounters`
+(its link's waits add their blocked time to it too); :func:`cpdpkit.emulator.meter` reads them
+as :class:`Counts` and subtracts. Nothing here is shared between groups, and nothing imports torch.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+__all__ = ["Counts", "GroupCounters"]
+
+
+def _frozen(values: Mapping) -> Mapping:
+    return MappingProxyType(dict(values))
+
+
+@dataclass(frozen=True)
+class Counts:
+    """A reading of counters: collectives by canonical op, wire bytes by tier, and seconds spent
+    blocked in ``EmulatedWork.wait`` by thread ident. Zero entries are left out."""
+
+    op_counts: Mapping[str, int] = field(default_factory=lambda: _frozen({}))
+    wire_bytes: Mapping[str, int] = field(default_factory=lambda: _frozen({}))
+    blocked_s: Mapping[int, float] = field(default_factory=lambda: _frozen({}))
+
+    def __add__(self, other: Counts) -> Counts:
+        return Counts(_combine(self.op_counts, other.op_counts, 1), _combine(self.wire_bytes, other.wire_bytes, 1),
+                      _combine(self.blocked_s, other.blocked_s, 1))
+
+    def __sub__(self, other: Counts) -> Counts:
+        return Counts(_combine(self.op_counts, other.op_counts, -1), _combine(self.wire_bytes, other.wire_bytes, -1),
+                      _combine(self.blocked_s, other.blocked_s, -1))
+
+
+def _combine(a: Mapping, b: Mapping, sign: int) -> Mapping:
+    out = dict(a)
+    for key, value in b.items():
+        out[key] = out.get(key, 0) + sign * value
+    return _frozen({k: v for k, v in out.items() if v})
+
+
+class GroupCounters:
+    """The thread-safe counters of one emulated group (the issuing threads, the link's helper
+    thread and any thread that waits on one of its Works update them)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ops: Counter[str] = Counter()
+        self._wire_bytes: Counter[str] = Counter()
+        self._blocked_s: dict[int, float] = {}
+
+    def add_op(self, op: str) -> None:
+        with self._lock:
+            self._ops[op] += 1
+
+    def add_wire_bytes(self, tier: str, wire_bytes: int) -> None:
+        if wire_bytes:
+            with self._lock:
+                self._wire_bytes[tier] += wire_bytes
+
+    def add_blocked(self, thread_ident: int, seconds: float) -> None:
+        with self._lock:
+            self._blocked_s[thread_ident] = self._blocked_s.get(thread_ident, 0.0) + seconds
+
+    def read(self) -> Counts:
+        with self._lock:
+            return Counts(_frozen(+self._ops), _frozen(+self._wire_bytes),
+                          _frozen({k: v for k, v in self._blocked_s.items() if v}))

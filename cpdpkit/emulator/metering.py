@@ -1,0 +1,103 @@
+"""Reading the emulator's counters: ``with meter() as m: ...`` measures what a block of code did.
+
+Every :class:`~cpdpkit.emulator.backend.EmulatedProcessGroup` counts its own collectives (by
+canonical op), the wire bytes the network model charges them (by the group's tier; the bytes a
+plan prices for the same collectives) and the seconds each thread spent blocked in
+``EmulatedWork.wait``. :func:`meter` reads all groups of one emulator session (by default the
+session of the default process group) when the block starts and when it ends, and reports the
+difference: collectives issued from any thread count, groups created inside the block count
+from zero, and :attr:`Meter.blocked_s` is the blocked time of the thread that entered the block.
+"""
+
+from __future__ import annotations
+
+import threading
+from types import TracebackType
+from typing import Any
+
+import torch.distributed as dist
+
+from cpdpkit.emulator._counters import Counts, GroupCounters
+from cpdpkit.emulator.backend import EmulatorSession, session_of
+from cpdpkit.errors import DistributedSetupError
+
+__all__ = ["Meter", "meter"]
+
+
+class Meter:
+    """What the emulated groups of one session did during a ``with`` block (see :func:`meter`).
+
+    Read inside the block, the properties give the counts so far; after it, the final counts.
+    """
+
+    def __init__(self, session: EmulatorSession) -> None:
+        self._session = session
+        self._thread_ident: int | None = None
+        self._before: dict[int, tuple[GroupCounters, Counts]] | None = None
+        self._result: Counts | None = None
+
+    def __enter__(self) -> Meter:
+        if self._before is not None or self._result is not None:
+            raise RuntimeError("a Meter measures one block; call meter() again for another")
+        self._thread_ident = threading.get_ident()
+        # holding the counters (not the groups) keeps a group collected mid-block counted
+        self._before = {id(c): (c, c.read()) for c in self._session.counters()}
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._result = self._difference()
+        self._before = None
+
+    def _difference(self) -> Counts:
+        if self._result is not None:
+            return self._result
+        if self._before is None:
+            raise RuntimeError("read a Meter inside or after its with-block (with meter() as m: ...)")
+        groups = {id(c): c for c in self._session.counters()}
+        groups.update({key: c for key, (c, _) in self._before.items()})
+        total = Counts()
+        for key, counters in groups.items():
+            before = self._before.get(key)
+            total = total + (counters.read() - before[1] if before is not None else counters.read())
+        return total
+
+    @property
+    def op_counts(self) -> dict[str, int]:
+        """Collectives issued on the session's groups, by canonical op (``send_recv``: each send
+        and each recv; ``other``: reduce, gather, scatter)."""
+        return dict(self._difference().op_counts)
+
+    @property
+    def bytes_by_tier(self) -> dict[str, int]:
+        """Wire bytes this rank sent, by the tier of the group that sent them: for each collective
+        ``group.cost(op, num_bytes).wire_bytes`` of the network model (a p2p send: the pair's)."""
+        return dict(self._difference().wire_bytes)
+
+    @property
+    def blocked_s(self) -> float:
+        """Seconds the thread that entered the block spent blocked in ``EmulatedWork.wait``."""
+        return self._difference().blocked_s.get(self._thread_ident, 0.0)  # type: ignore[arg-type]
+
+    def __repr__(self) -> str:
+        if self._before is None and self._result is None:
+            return "Meter(not entered)"
+        return f"Meter(op_counts={self.op_counts}, bytes_by_tier={self.bytes_by_tier}, blocked_s={self.blocked_s:.6f})"
+
+
+def meter(group: Any = None) -> Meter:
+    """A context manager measuring the emulated groups of ``group``'s session during a block.
+
+    ``group`` is any emulated process group (default: the default process group); every group
+    created by the same :func:`~cpdpkit.emulator.register_emulated_backend` call is measured.
+    """
+    if group is None:
+        group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    session = session_of(group)
+    if session is None:
+        found = "there is no default process group" if group is None else f"{group!r} is not an 'emu' group"
+        raise DistributedSetupError(
+            f"cpdpkit.emulator.meter() measures emulated process groups but {found}; start them with "
+            "cpdpkit.init_distributed(topology=...) (or backend='emu') or pass group= an emulated group"
+        )
+    return Meter(session)
