@@ -12,8 +12,10 @@ CPU events (any thread):
   * backend worker collectives: ``gloo:*`` (gloo's ``pt_gloo_runloop`` threads), ``mpi:*``,
     ``ucc:*`` — the time the collective is in flight;
   * c10d call sites on the training thread: ``c10d::*`` ops and ``record_param_comms``;
-  * cpdpkit annotations: ``cpdpkit::emu::<op>[...]`` (modeled link time, carries the tier)
-    and ``cpdpkit::sync::<phase>`` (a sync phase: communication or waiting for it).
+  * cpdpkit labels (the contract of :mod:`cpdpkit.labels`): ``cpdpkit::emu::<op>[...]``
+    (modeled link time, carries the tier) and communication phases ``cpdpkit::<component>::<phase>``
+    (issuing a collective or waiting for it); phases of local work (``kind is None``, e.g. SlowMo's
+    outer update) are compute, not communication.
   * compute candidates: ``cpu_op`` events that are none of the above.
 
 Canonical collective kinds: all_reduce, all_gather, reduce_scatter, broadcast, barrier,
@@ -26,6 +28,8 @@ import functools
 import re
 from dataclasses import dataclass
 
+from cpdpkit.labels import EMU_PREFIX, KINDS, EmuLabel, parse_emu_label, parse_rank_ranges, phase_by_label
+
 __all__ = [
     "KINDS",
     "canonical_kind",
@@ -34,19 +38,7 @@ __all__ = [
     "EmuLabel",
     "parse_emu_label",
     "parse_rank_ranges",
-    "SYNC_PHASE_KINDS",
 ]
-
-KINDS: tuple[str, ...] = (
-    "all_reduce",
-    "all_gather",
-    "reduce_scatter",
-    "broadcast",
-    "barrier",
-    "all_to_all",
-    "send_recv",
-    "other",
-)
 
 # Holistic Trace Analysis 0.5.0's kernel rules (hta/utils/utils.py), reproduced verbatim.
 _NCCL_KERNEL = re.compile(r"^nccl.*Kernel")
@@ -54,18 +46,6 @@ _MEMORY_KERNEL = re.compile(r"(^Memcpy)|(^Memset)|(^dma)")
 _NOT_COMPUTE = re.compile(r"(^nccl.*Kernel)|(.*(Memcpy)|(Memset))|(.*Sync)")
 
 _BACKEND_PREFIXES = ("gloo:", "mpi:", "ucc:")
-EMU_PREFIX = "cpdpkit::emu::"
-SYNC_PREFIX = "cpdpkit::sync::"
-
-SYNC_PHASE_KINDS: dict[str, str] = {
-    "grad_allreduce": "all_reduce",
-    "grad_wait": "all_reduce",
-    "param_average": "all_reduce",
-    "buffer_sync": "broadcast",
-    "state_sync": "all_reduce",
-    "broadcast_init": "broadcast",
-    "slowmo_update": "other",
-}
 
 
 def canonical_kind(text: str) -> str:
@@ -96,7 +76,7 @@ def canonical_kind(text: str) -> str:
 class NameClass:
     """What one event name means. ``role`` is one of: ``gpu_comm``, ``gpu_compute``,
     ``gpu_memory``, ``gpu_other`` (for events on a GPU stream) or ``backend``, ``callsite``,
-    ``emu``, ``sync``, ``cpu`` (for CPU events); ``kind`` is the canonical collective kind
+    ``emu``, ``phase``, ``cpu`` (for CPU events); ``kind`` is the canonical collective kind
     (``None`` for non-communication)."""
 
     gpu_role: str
@@ -122,9 +102,9 @@ def _cpu_role(name: str) -> tuple[str, str | None]:
     if name.startswith(EMU_PREFIX):
         label = parse_emu_label(name)
         return "emu", label.kind if label else "other"
-    if name.startswith(SYNC_PREFIX):
-        phase = name[len(SYNC_PREFIX) :].split("[", 1)[0].split("#", 1)[0]
-        return "sync", SYNC_PHASE_KINDS.get(phase, "other")
+    phase = phase_by_label(name)
+    if phase is not None:
+        return ("phase", phase.kind) if phase.is_communication else ("cpu", None)
     if name.startswith("c10d::"):
         return "callsite", canonical_kind(name[len("c10d::") :])
     if name == "record_param_comms":
@@ -140,57 +120,3 @@ def classify_name(name: str) -> NameClass:
     kind = canonical_kind(name) if gpu_role == "gpu_comm" else None
     reads = gpu_role == "gpu_comm" or name == "record_param_comms"
     return NameClass(gpu_role, cpu_role, kind, cpu_kind, reads)
-
-
-@dataclass(frozen=True)
-class EmuLabel:
-    """Fields of a ``cpdpkit::emu::<op>[bytes=..,tier=..,ranks=..,modeled_us=..]`` name."""
-
-    kind: str
-    num_bytes: int | None
-    tier: str | None
-    ranks: tuple[int, ...] | None
-    modeled_us: float | None
-
-
-_EMU = re.compile(r"^cpdpkit::emu::(?P<op>[A-Za-z0-9_]+)(?:\[(?P<fields>[^\]]*)\])?$")
-
-
-def parse_rank_ranges(text: str) -> tuple[int, ...] | None:
-    """``"0-3,8-11"`` -> (0, 1, 2, 3, 8, 9, 10, 11); ``None`` if malformed."""
-    ranks: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
-        lo, sep, hi = part.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
-            return None
-        a, b = int(lo), int(hi) if sep else int(lo)
-        if b < a or b - a > 1 << 20:
-            return None
-        ranks.extend(range(a, b + 1))
-    return tuple(ranks)
-
-
-def parse_emu_label(name: str) -> EmuLabel | None:
-    """Parse an emulator event name; ``None`` when it does not follow the contract."""
-    m = _EMU.match(name)
-    if not m:
-        return None
-    fields: dict[str, str] = {}
-    for item in (m.group("fields") or "").split(","):
-        key, sep, value = item.partition("=")
-        if sep:
-            fields[key.strip()] = value.strip()
-        elif fields and "ranks" in fields and item.strip():
-            fields["ranks"] += "," + item.strip()  # ranges contain commas: ranks=0-3,8-11
-    op = m.group("op")
-    kind = op if op in KINDS else canonical_kind(op)
-
-    def num(key: str, cast: type) -> float | int | None:
-        try:
-            return cast(fields[key]) if key in fields else None
-        except ValueError:
-            return None
-
-    ranks = parse_rank_ranges(fields["ranks"]) if "ranks" in fields else None
-    return EmuLabel(kind, num("bytes", int), fields.get("tier") or None, ranks, num("modeled_us", float))

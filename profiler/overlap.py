@@ -20,10 +20,10 @@ which its CUDA launch ran (matched by correlation id), since GPU work lags the C
 CPU traces: comm = every interval in which a collective is in flight or being issued:
 ``gloo:*`` ops on gloo's worker threads, ``cpdpkit::emu::*`` modeled link time, and, on
 any thread, the c10d call sites (``c10d::*``, ``record_param_comms``) and
-``cpdpkit::sync::*`` phases. Compute = the *training thread* (the one that holds the
+cpdpkit communication phases (:mod:`cpdpkit.labels`). Compute = the *training thread* (the one that holds the
 ``ProfilerStep#N`` markers; else the thread with most ``cpu_op`` time) — the union of its
 ``cpu_op`` events that are not communication, minus the intervals of its c10d call sites
-and sync phases (ops nested in a sync phase are part of communicating, not compute).
+and communication phases (ops nested in one are part of communicating, not compute).
 ``Work.wait()`` leaves no event, so waits are read from the gaps between the training
 thread's events: a gap in which a collective completes is a wait and counts as
 communication (of that collective's kind) for its whole length; other gaps shorter than
@@ -52,8 +52,8 @@ __all__ = ["analyze_trace", "PARTIAL_STEP_FRACTION", "IDLE_GAP_US", "WAIT_SLACK_
 
 _STEP = re.compile(r"^ProfilerStep#(\d+)$")
 _CPU_OP_CATS = frozenset({"cpu_op", "operator"})
-_CPU_COMM_ROLES = frozenset({"backend", "emu", "sync", "callsite"})
-_TRAINING_COMM_ROLES = frozenset({"sync", "callsite", "backend"})
+_CPU_COMM_ROLES = frozenset({"backend", "emu", "phase", "callsite"})
+_TRAINING_COMM_ROLES = frozenset({"phase", "callsite", "backend"})
 _INFLIGHT_ROLES = frozenset({"backend", "emu"})
 # gaps between the training thread's ops shorter than this are Python/dispatch overhead
 # (compute); longer ones are idle: waiting when a collective is in flight

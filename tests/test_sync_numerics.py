@@ -152,7 +152,9 @@ def test_checkpoint_resume_is_bit_identical():
         # stop in the middle of a period (after step 5 of periods ending at 4, 7, 10)
         results = run_ranks(sc.checkpoint_resume, 2, strategy=strategy, stop_at=5, total=11)
         for res in results:
-            assert res["step"] == 11
+            assert res["saved_keys"] == ["cpdpkit", "param_groups", "state"]
+            assert res["saved_step"] == 5 and res["step"] == 11
+            assert res["lr"] == 0.01 * 0.5 ** 2  # StepLR(4, 0.5) on the wrapper, 11 steps
             assert all(torch.equal(a, b) for a, b in zip(res["straight"], res["resumed"]))
 
 
@@ -161,7 +163,10 @@ def test_param_groups_and_lr_scheduler():
     w = Workload(strategy="cpdp", optimizer="sgd2groups", period=2, steps=8)
     ref = simulate(w, 2, schedulers=lambda o: torch.optim.lr_scheduler.StepLR(o, 3, 0.5))
     for rank in range(2):
-        assert _max_err(results[rank], ref[rank]) <= TOL
+        for attach in ("inner", "wrapper"):
+            assert _max_err(results[rank][attach], ref[rank]) <= TOL, attach
+        assert all(torch.equal(a, b) for a, b in zip(results[rank]["inner"],
+                                                     results[rank]["wrapper"]))
 
 
 def test_collectives_are_coalesced_into_buckets():

@@ -43,6 +43,11 @@ on the training thread), the updates themselves (each waits for its reduce-scatt
 The inner optimizer's ``step()`` runs once per unit (only that unit's slice has a gradient),
 so optimizer step hooks fire once per unit.
 
+**Trace labels** (:data:`cpdpkit.labels.SHARD`): every replicate-axis collective the executor
+issues runs inside a ``cpdpkit::shard::<phase>`` span (launching the reduce-scatter and the
+all-gather, waiting for each, the clipping norm's all-reduce); the per-unit update is labelled
+as local work. The shard-axis collectives are FSDP2's own (``FSDP::`` spans).
+
 Only elementwise optimizers are valid (the update of an element may depend only on that
 element's gradient and state), see :data:`ELEMENTWISE_OPTIMIZERS`. Parameter gradients that
 FSDP2 leaves in ``param.grad`` are only averaged within the shard group: read gradients (and
@@ -67,8 +72,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.profiler import record_function
 
 from cpdpkit.errors import DistributedSetupError
+from cpdpkit.labels import SHARD
+from cpdpkit.planner.apply import apply_plan
 from cpdpkit.planner.config import PlannerError
 from cpdpkit.planner.plan import ShardingPlan
 
@@ -139,8 +147,6 @@ class TwoStageExecutor:
     def __init__(self, model: nn.Module, plan: ShardingPlan,
                  optimizer_factory: Callable[[list[dict[str, Any]]], torch.optim.Optimizer], *,
                  mesh: DeviceMesh | None = None, max_grad_norm: float | None = None) -> None:
-        from cpdpkit.planner.apply import apply_plan
-
         if not isinstance(plan, ShardingPlan):
             raise TypeError(f"plan = {type(plan).__name__} must be a ShardingPlan")
         if plan.state_sharding.axis != "replicate" or len(plan.mesh.shape) != 2:
@@ -239,7 +245,8 @@ class TwoStageExecutor:
         torch.cat([reduce_output.narrow(0, o, k) for o, k in zip(unit.padded_offsets, unit.local_numels)],
                   out=send[:unit.numel])
         recv = torch.empty(unit.chunk, dtype=reduce_output.dtype)
-        work = _REDUCE_SCATTER(recv, send, op=dist.ReduceOp.AVG, group=self._rep_group, async_op=True)
+        with record_function(SHARD.GRAD_REDUCE_SCATTER.label):
+            work = _REDUCE_SCATTER(recv, send, op=dist.ReduceOp.AVG, group=self._rep_group, async_op=True)
         unit.pending_rs.append((work, recv, send))
 
     def _check_layout(self) -> None:
@@ -257,7 +264,8 @@ class TwoStageExecutor:
     def _take_grad(self, unit: _Unit) -> torch.Tensor | None:
         grad = None
         for work, recv, _send in unit.pending_rs:
-            work.wait()
+            with record_function(SHARD.GRAD_WAIT.label):
+                work.wait()
             grad = recv if grad is None else grad + recv
         unit.pending_rs.clear()
         return None if grad is None else grad[:unit.hi - unit.lo]
@@ -267,14 +275,16 @@ class TwoStageExecutor:
         send = torch.zeros(unit.chunk, dtype=unit.slice_param.dtype)
         send[:unit.hi - unit.lo].copy_(unit.slice_param.detach())
         recv = torch.empty(unit.chunk * self._rep_size, dtype=send.dtype)
-        work = _ALL_GATHER(recv, send, group=self._rep_group, async_op=True)
+        with record_function(SHARD.PARAM_ALL_GATHER.label):
+            work = _ALL_GATHER(recv, send, group=self._rep_group, async_op=True)
         unit.pending_ag = (work, recv, send)
 
     def _finish_exchange(self, unit: _Unit) -> None:
         if unit.pending_ag is None:
             return
         work, recv, _send = unit.pending_ag
-        work.wait()
+        with record_function(SHARD.PARAM_WAIT.label):
+            work.wait()
         unit.pending_ag = None
         with torch.no_grad():
             for p, piece in zip(unit.params, recv[:unit.numel].split(unit.local_numels)):
@@ -301,7 +311,8 @@ class TwoStageExecutor:
                 grads[id(u)] = g = self._take_grad(u)
                 if g is not None:
                     sq += g.double().pow(2).sum()
-            dist.all_reduce(sq, op=dist.ReduceOp.SUM)
+            with record_function(SHARD.GRAD_NORM.label):
+                dist.all_reduce(sq, op=dist.ReduceOp.SUM)
             norm = float(sq.sqrt())
             scale = min(1.0, self.max_grad_norm / (norm + 1e-6))
         for u in self._exec_order:
@@ -309,7 +320,8 @@ class TwoStageExecutor:
             if g is None:
                 continue
             u.slice_param.grad = g if scale is None else g * scale
-            self.optimizer.step()
+            with record_function(SHARD.UPDATE.label):
+                self.optimizer.step()
             u.slice_param.grad = None
             self._launch_exchange(u)
         for u in self._exec_order:
@@ -322,7 +334,8 @@ class TwoStageExecutor:
         self.model.zero_grad(set_to_none=True)
         for u in self._units:
             for work, _recv, _send in u.pending_rs:
-                work.wait()
+                with record_function(SHARD.GRAD_WAIT.label):
+                    work.wait()
             u.pending_rs.clear()
             u.slice_param.grad = None
 

@@ -2,7 +2,7 @@
 
 Every collective the optimizer issues goes through :class:`Communicator`, which
 
-* labels it with ``torch.profiler.record_function`` (``cpdpkit::sync::<phase>``),
+* labels it with ``torch.profiler.record_function`` (a :data:`cpdpkit.labels.SYNC` phase),
 * counts collectives and payload bytes,
 * measures the seconds the caller is blocked (the optimizer's exposed sync time),
 * waits with a timeout, so a mismatched peer ends in an error rather than a hang.
@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from cpdpkit.errors import DistributedSetupError
+from cpdpkit.labels import SYNC, Phase
 
 __all__ = ["Communicator", "chunks", "group_ranks"]
 
@@ -56,10 +57,11 @@ class Communicator:
         self.bytes_sent += tensor.numel() * tensor.element_size()
 
     @contextmanager
-    def blocking(self, phase: str) -> Iterator[None]:
-        """Label a phase and count its wall time as blocked (exposed) time."""
+    def blocking(self, phase: Phase) -> Iterator[None]:
+        """Label a communication phase and count its wall time as blocked (exposed) time."""
+        assert phase.is_communication, phase  # local work is neither labelled nor counted as communication
         start = time.perf_counter()
-        with record_function(f"cpdpkit::sync::{phase}"):
+        with record_function(phase.label):
             yield
         self.blocked_s += time.perf_counter() - start
 
@@ -113,8 +115,8 @@ class Communicator:
         gathered = torch.empty(self.size * mine.numel(), dtype=torch.int64)
         self._count(mine)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        work = gather(gathered, mine, group=self.group, async_op=True)
-        self.wait(work)
+        with self.blocking(SYNC.CONFIG_CHECK):
+            self.wait(gather(gathered, mine, group=self.group, async_op=True))
         table = gathered.view(self.size, -1)
         ranks = group_ranks(self.group)
         for col, (name, _, labels) in enumerate(fields):

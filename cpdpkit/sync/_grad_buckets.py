@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from cpdpkit.errors import DistributedSetupError
+from cpdpkit.labels import SYNC
 from cpdpkit.sync._comm import Communicator
 
 __all__ = ["GradientBuckets"]
@@ -115,17 +116,17 @@ class GradientBuckets:
 
     @torch.no_grad()
     def _launch(self, bucket: _Bucket, comm: Communicator) -> None:
-        with record_function("cpdpkit::sync::grad_allreduce"):
-            for p, off in zip(bucket.params, bucket.offsets):
-                view = bucket.buffer[off : off + p.numel()]
-                if p.grad is None:
-                    view.zero_()
-                else:
-                    view.copy_(p.grad.reshape(-1))
-            bucket.buffer.div_(comm.size)
+        for p, off in zip(bucket.params, bucket.offsets):
+            view = bucket.buffer[off : off + p.numel()]
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad.reshape(-1))
+        bucket.buffer.div_(comm.size)
+        with record_function(SYNC.GRAD_ALLREDUCE.label):  # the launch only: the copies are local work
             bucket.work = comm.all_reduce_sum_async(bucket.buffer)
-            bucket.comm = comm
-            bucket.launched = True
+        bucket.comm = comm
+        bucket.launched = True
 
     # -- in step() -----------------------------------------------------------------------
     @torch.no_grad()
@@ -138,7 +139,7 @@ class GradientBuckets:
         for bucket in self._buckets:
             if not bucket.launched:
                 self._launch(bucket, comm)
-        with comm.blocking("grad_wait"):
+        with comm.blocking(SYNC.GRAD_WAIT):
             for bucket in self._buckets:
                 assert bucket.work is not None and bucket.comm is not None
                 bucket.comm.wait(bucket.work)

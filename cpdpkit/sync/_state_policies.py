@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from cpdpkit.labels import SYNC
 from cpdpkit.sync._comm import Communicator
 
 __all__ = ["sync_buffers", "sync_optimizer_state"]
@@ -54,7 +55,7 @@ def sync_buffers(
     """Apply the buffer policy (see module docstring) across ``comm``'s group."""
     if policy == "local" or not buffers:
         return
-    with comm.blocking("buffer_sync"):
+    with comm.blocking(SYNC.BUFFER_SYNC):
         if policy == "broadcast":
             _coalesced(comm, buffers, cap_bytes, "broadcast")
             return
@@ -94,5 +95,5 @@ def sync_optimizer_state(
         return
     tensors = _floating_state(optimizer.state, params)
     if tensors:
-        with comm.blocking("state_sync"):
+        with comm.blocking(SYNC.STATE_SYNC):
             _coalesced(comm, tensors, cap_bytes, "average")

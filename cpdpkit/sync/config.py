@@ -58,6 +58,9 @@ class SyncConfig:
     ``slowmo_momentum`` is β and ``slowmo_lr`` is α of SlowMo. ``bucket_cap_mb`` bounds one
     all-reduce's payload, as DDP's argument of the same name. ``timeout_s`` bounds every
     wait on a collective (``None``: the process group's own timeout).
+
+    These declarations are the only defaults: ``PeriodicSyncOptimizer`` takes either
+    ``config=SyncConfig(...)`` or these fields as keyword options, never both.
     """
 
     strategy: str = "cpdp"

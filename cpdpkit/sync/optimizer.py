@@ -4,6 +4,7 @@ Usage::
 
     opt = PeriodicSyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                 model=model, strategy="cpdp", period=4)
+    # or, the same: PeriodicSyncOptimizer(inner, model=model, config=SyncConfig(period=4))
     for x, y in loader:
         opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
 
@@ -12,11 +13,19 @@ plain module's gradients are all-reduced in buckets launched from backward hooks
 backward, as DDP); a DDP-wrapped module's own reducer is switched on for exactly those steps.
 A reconciliation averages the parameters (in place, in flat buffers) and, for ``slowmo`` and
 ``cpdp``, applies the SlowMo outer update.
+
+The wrapper is a complete ``torch.optim.Optimizer``: torch's ``__init__`` runs (step pre/post
+hooks, global step hooks, state-dict hooks, LR schedulers' step tracking), and
+``param_groups``, ``state`` and ``defaults`` are the inner optimizer's own objects. Its state
+dict is torch's standard one (the inner optimizer's ``{"state", "param_groups"}``) plus one key,
+``"cpdpkit"``, holding the wrapper's own state.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,8 +33,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.profiler import record_function
 
 from cpdpkit.errors import ConfigError, DistributedSetupError
+from cpdpkit.labels import SYNC
 from cpdpkit.sync._comm import Communicator, group_ranks
 from cpdpkit.sync._flat import FlatParameters
 from cpdpkit.sync._grad_buckets import GradientBuckets
@@ -35,7 +46,34 @@ from cpdpkit.sync.stats import SyncStats
 
 __all__ = ["PeriodicSyncOptimizer"]
 
-_STATE_VERSION = 1
+# 1: {"inner": <inner state dict>, "cpdpkit": ...}; 2: torch's standard dict plus "cpdpkit".
+_STATE_VERSION = 2
+_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(SyncConfig))
+
+
+def _resolve_config(config: SyncConfig | None, options: dict[str, Any]) -> SyncConfig:
+    """``config=`` or keyword options named like SyncConfig's fields, never both: the defaults
+    live only in SyncConfig, and refusing the mix leaves no doubt about which value wins."""
+    unknown = [name for name in options if name not in _CONFIG_FIELDS]
+    if unknown:
+        raise ConfigError(
+            f"unknown keyword {', '.join(map(repr, unknown))} for PeriodicSyncOptimizer: "
+            f"known SyncConfig fields are {', '.join(_CONFIG_FIELDS)}"
+        )
+    if config is None:
+        return SyncConfig(**options)
+    if not isinstance(config, SyncConfig):
+        raise TypeError(
+            f"config must be a SyncConfig, got {type(config).__name__}: "
+            "pass config=cpdpkit.sync.SyncConfig(...)"
+        )
+    if options:
+        given = ", ".join(f"{name}=..." for name in options)
+        raise ConfigError(
+            f"config= given together with {', '.join(options)}: pass "
+            f"config=dataclasses.replace(config, {given}), or the keywords without config="
+        )
+    return config
 
 
 def _check_group(group: Any, what: str) -> None:
@@ -50,18 +88,17 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
     """Wraps any ``torch.optim`` optimizer to communicate every ``period`` steps.
 
     Args:
-        optimizer: the inner optimizer (any ``torch.optim.Optimizer``; LR schedulers attach
-            to it or to this wrapper).
+        optimizer: the inner optimizer (any ``torch.optim.Optimizer`` with all its param
+            groups added; LR schedulers attach to it or to this wrapper).
         model: the module whose parameters the optimizer trains; a plain ``nn.Module`` or a
             ``DistributedDataParallel``.
-        strategy: ``"ddp"`` | ``"localsgd"`` | ``"slowmo"`` | ``"cpdp"``.
-        period: K, optimizer steps between reconciliations.
-        warmup_steps: W, first steps that synchronise gradients like DDP.
-        slowmo_momentum, slowmo_lr: SlowMo's β and α.
-        buffers: ``"average"`` | ``"broadcast"`` | ``"local"`` (module buffers at each
-            synchronising step).
-        optimizer_state: ``"keep"`` | ``"average"`` | ``"reset"`` (inner state at each
-            reconciliation).
+        config: a :class:`~cpdpkit.sync.SyncConfig` (strategy, period, warm-up, SlowMo's β
+            and α, buffer and optimizer-state policies, bucket size, timeout).
+        **options: instead of ``config``, SyncConfig's fields as keywords (``strategy``,
+            ``period``, ``warmup_steps``, ``slowmo_momentum``, ``slowmo_lr``, ``buffers``,
+            ``optimizer_state``, ``bucket_cap_mb``, ``timeout_s``); unset ones take
+            SyncConfig's defaults. Passing both ``config`` and options is refused (a
+            ``ConfigError`` naming ``dataclasses.replace(config, ...)``), as is an unknown one.
         group: the process group to synchronise over (default: the world).
         fast_group: optional group of this rank's fast neighbours (e.g. its node); gradients
             are all-reduced in it on every step and reconciliation runs over ``slow_group``.
@@ -69,8 +106,9 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
             ``group``; the ranks with this rank's index in other nodes is enough).
         anchor_dtype: dtype of SlowMo's anchor and momentum (required as ``torch.float32``
             when parameters are fp16/bf16).
-        bucket_cap_mb: payload bound of one all-reduce, as DDP's argument.
-        timeout_s: bound on every wait for a collective (default: the group's timeout).
+
+    ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's objects;
+    :meth:`state_dict` is the inner's standard dict plus a ``"cpdpkit"`` entry.
     """
 
     def __init__(
@@ -78,29 +116,18 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         optimizer: torch.optim.Optimizer,
         *,
         model: nn.Module,
-        strategy: str = "cpdp",
-        period: int = 4,
-        warmup_steps: int = 0,
-        slowmo_momentum: float = 0.5,
-        slowmo_lr: float = 1.0,
-        buffers: str = "average",
-        optimizer_state: str = "keep",
+        config: SyncConfig | None = None,
         group: dist.ProcessGroup | None = None,
         fast_group: dist.ProcessGroup | None = None,
         slow_group: dist.ProcessGroup | None = None,
         anchor_dtype: torch.dtype | None = None,
-        bucket_cap_mb: float = 25.0,
-        timeout_s: float | None = None,
+        **options: Any,
     ) -> None:
         # Validation happens before any collective: a user mistake must not hang a peer.
-        self.config = SyncConfig(
-            strategy=strategy, period=period, warmup_steps=warmup_steps,
-            slowmo_momentum=slowmo_momentum, slowmo_lr=slowmo_lr, buffers=buffers,
-            optimizer_state=optimizer_state, bucket_cap_mb=bucket_cap_mb, timeout_s=timeout_s,
-        )
+        self.config = _resolve_config(config, options)
         self._validate_objects(optimizer, model, anchor_dtype)
         self._validate_groups(model, group, fast_group, slow_group)
-        self.optim = optimizer
+        self._init_torch_optimizer(optimizer)
         self.model = model
         self._ddp = model if isinstance(model, DistributedDataParallel) else None
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -111,6 +138,7 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
                 f"parameters are {self._flat.low_precision_params()[0]}: SlowMo's anchor and "
                 "slow momentum lose updates in low precision; pass anchor_dtype=torch.float32"
             )
+        timeout_s = self.config.timeout_s
         self._comm = Communicator(group, timeout_s=timeout_s)
         self._fast = Communicator(fast_group, timeout_s=timeout_s) if fast_group else None
         self._slow = Communicator(slow_group, timeout_s=timeout_s) if slow_group else self._comm
@@ -179,6 +207,36 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
                         "parameter of model: build the optimizer from model.parameters()"
                     )
 
+    def _init_torch_optimizer(self, inner: torch.optim.Optimizer) -> None:
+        """Run torch's ``Optimizer.__init__``, then take the inner optimizer's objects."""
+        # torch's __init__ creates the hook registries and wraps ``step`` (step hooks, global
+        # hooks, LR schedulers' step tracking). It insists on one param group: it gets an
+        # empty placeholder, which add_param_group accepts only until __init__ has returned.
+        self._torch_init_done = False
+        super().__init__([{"params": []}], inner.defaults)
+        self._torch_init_done = True
+        self.optim = inner
+        self._alias_inner()
+        # The inner's load_state_dict replaces its state and param_groups objects; re-alias
+        # so a scheduler on the wrapper keeps driving the inner's lr even after
+        # opt.optim.load_state_dict(...). A weak reference: the inner must not keep us alive.
+        wrapper = weakref.ref(self)
+
+        def realias(_inner: torch.optim.Optimizer) -> None:
+            alive = wrapper()
+            if alive is not None and alive.optim is _inner:
+                alive._alias_inner()
+
+        inner.register_load_state_dict_post_hook(realias, prepend=True)
+
+    def _alias_inner(self) -> None:
+        # Plain attributes bound to the inner's very objects, so an lr written through either
+        # is seen by both. Not properties: torch's __init__ assigns these names, and a setter
+        # forwarding to the inner would overwrite the inner's with torch's placeholders.
+        self.param_groups = self.optim.param_groups
+        self.state = self.optim.state
+        self.defaults = self.optim.defaults
+
     def _start(self) -> None:
         """Check that ranks agree, make parameters identical, then arm the hooks."""
         fields = [
@@ -189,7 +247,7 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
             ("fast_group presence", int(self._fast is not None), None),
         ]
         self._comm.check_agreement(fields)
-        with self._comm.blocking("broadcast_init"):
+        with self._comm.blocking(SYNC.BROADCAST_INIT):
             self._comm.broadcast_(self._flat.flats, self.config.bucket_cap_bytes)
             if self._buffers():
                 sync_buffers(self._comm, self._buffers(), "broadcast", self.config.bucket_cap_bytes)
@@ -211,26 +269,12 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         return list(self.model.buffers())
 
     # -- the torch.optim.Optimizer surface ----------------------------------------------------
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.optim.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optim.param_groups = value
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.optim.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.optim.defaults
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optim.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not self._torch_init_done:  # torch's __init__ adding its placeholder group
+            return
         raise ConfigError(
             "add_param_group on a PeriodicSyncOptimizer is not supported: add the group to the "
             "inner optimizer before wrapping it"
@@ -318,10 +362,10 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         cfg = self.config
         self._counts["reconciliations"] += 1
         self._flat.ensure_bound()
-        with self._slow.blocking("param_average"):
+        with self._slow.blocking(SYNC.PARAM_AVERAGE):
             self._slow.average_(self._flat.flats, cfg.bucket_cap_bytes)
         if cfg.uses_slowmo:
-            with self._slow.blocking("slowmo_update"):
+            with record_function(SYNC.SLOWMO_UPDATE.label):  # local arithmetic, not communication
                 self._flat.slowmo_update(
                     self.optim.param_groups, beta=float(cfg.slowmo_momentum),
                     alpha=float(cfg.slowmo_lr),
@@ -337,7 +381,7 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         saving one model at the end of training); every rank must call it. No SlowMo update,
         no step counted."""
         self._flat.ensure_bound()
-        with self._comm.blocking("param_average"):
+        with self._comm.blocking(SYNC.PARAM_AVERAGE):
             self._comm.average_(self._flat.flats, self.config.bucket_cap_bytes)
         sync_buffers(self._comm, self._buffers(), self.config.buffers, self.config.bucket_cap_bytes)
 
@@ -363,27 +407,77 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         )
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """Inner optimizer state plus the step counter, SlowMo's anchor and momentum."""
-        return {
-            "inner": self.optim.state_dict(),
-            "cpdpkit": {
-                "version": _STATE_VERSION,
-                "config": self.config.to_dict(),
-                "step": self._step,
-                "counts": dict(self._counts),
-                "layout": self._flat.layout(),
-                **self._flat.slowmo_state(),
-            },
+        """The inner optimizer's standard state dict plus key ``"cpdpkit"``.
+
+        ``{"state": ..., "param_groups": ..., "cpdpkit": {"version", "config", "step",
+        "counts", "layout", "anchor", "slow_momentum"}}``. The wrapper's state-dict pre-hooks
+        run first and its post-hooks see (and may replace) the whole dict, as torch's.
+
+        ``torch.distributed.checkpoint``'s ``get_optimizer_state_dict`` reads the standard
+        part (it drops ``"cpdpkit"``); on an optimizer with no state yet it first calls
+        ``step()`` with lr 0, which this wrapper counts as a step: call it after training starts.
+        """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        # The inner's own state_dict (not torch's generic one on our aliases): its overrides
+        # and its own hooks must shape the standard part.
+        state_dict = self.optim.state_dict()
+        state_dict["cpdpkit"] = {
+            "version": _STATE_VERSION,
+            "config": self.config.to_dict(),
+            "step": self._step,
+            "counts": dict(self._counts),
+            "layout": self._flat.layout(),
+            **self._flat.slowmo_state(),
         }
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Restore a :meth:`state_dict`. Load the model's own state (per rank) as well."""
-        if "inner" not in state_dict or "cpdpkit" not in state_dict:
+        """Restore a :meth:`state_dict`. Load the model's own state (per rank) as well.
+
+        Load-state-dict pre-hooks get a shallow copy and may return a replacement; post-hooks
+        run after both the inner optimizer and the wrapper are restored, as torch's.
+        """
+        state_dict = dict(state_dict)
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        own, inner_state = self._split_checkpoint(state_dict)
+        self.optim.load_state_dict(inner_state)
+        self._alias_inner()
+        self._flat.ensure_bound()
+        self._flat.load_slowmo_state(own)
+        if self.config.uses_slowmo and own.get("anchor") is None:
+            self._flat.capture_anchor()
+        self._step = int(own["step"])
+        self._counts.update(own.get("counts", {}))
+        self._arm_next_step()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _split_checkpoint(self, state_dict: dict[str, Any]) -> tuple[dict, dict]:
+        """(the wrapper's own state, the inner's standard dict), after checking they fit."""
+        if "cpdpkit" not in state_dict:
             raise ConfigError(
-                "state_dict lacks 'inner'/'cpdpkit' keys: pass what PeriodicSyncOptimizer."
-                "state_dict() returned (for the inner optimizer alone use opt.optim)"
+                "state_dict has no 'cpdpkit' key: pass what PeriodicSyncOptimizer.state_dict() "
+                "returned (to load the inner optimizer alone, use opt.optim.load_state_dict)"
             )
         own = state_dict["cpdpkit"]
+        version = own.get("version")
+        if version == 1:  # written before the wrapper used torch's standard layout
+            inner_state = state_dict["inner"]
+        elif version == _STATE_VERSION:
+            inner_state = {k: v for k, v in state_dict.items() if k != "cpdpkit"}
+        else:
+            raise ConfigError(
+                f"checkpoint has cpdpkit state version {version!r}, this cpdpkit reads 1 and "
+                f"{_STATE_VERSION}: load it with the cpdpkit version that saved it"
+            )
         saved = SyncConfig.from_dict(own["config"])
         if saved.strategy != self.config.strategy:
             raise ConfigError(
@@ -395,11 +489,4 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
                 "checkpoint parameter layout differs from this optimizer's: load a checkpoint "
                 "saved with the same model and param groups"
             )
-        self.optim.load_state_dict(state_dict["inner"])
-        self._flat.ensure_bound()
-        self._flat.load_slowmo_state(own)
-        if self.config.uses_slowmo and own.get("anchor") is None:
-            self._flat.capture_anchor()
-        self._step = int(own["step"])
-        self._counts.update(own.get("counts", {}))
-        self._arm_next_step()
+        return own, inner_state

@@ -1,0 +1,87 @@
+"""The trace-label contract (cpdpkit.labels): names, the profiler's reading of them, and that every
+collective cpdpkit issues (PeriodicSyncOptimizer and TwoStageExecutor) runs inside a label."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import _label_jobs as jobs
+import _planner_jobs as pj
+from cpdpkit import labels
+from cpdpkit.planner import PlannerConfig, plan_sharding
+from cpdpkit.profiler.classify import classify_name
+
+
+def test_phase_labels_are_unique_and_read_back() -> None:
+    names = [p.label for p in labels.PHASES]
+    assert len(names) == len(set(names)) == len(labels.PHASES)
+    for phase in labels.PHASES:
+        assert phase.label == f"cpdpkit::{phase.component}::{phase.name}"
+        assert labels.phase_by_label(phase.label) is phase
+        assert labels.phase_by_label(phase.label + "#3") is phase  # what some torch versions append
+        assert phase.kind is None or phase.kind in labels.KINDS
+    assert labels.phase_by_label("cpdpkit::sync::no_such_phase") is None
+    assert labels.phase_by_label("aten::add") is None
+
+
+def test_profiler_counts_only_communication_phases() -> None:
+    for phase in labels.PHASES:
+        cls = classify_name(phase.label)
+        if phase.is_communication:
+            assert (cls.cpu_role, cls.cpu_kind) == ("phase", phase.kind), phase
+        else:
+            assert (cls.cpu_role, cls.cpu_kind) == ("cpu", None), phase
+    # the local SlowMo arithmetic and the executor's update are local work
+    assert not labels.SYNC.SLOWMO_UPDATE.is_communication and not labels.SHARD.UPDATE.is_communication
+
+
+def test_emu_label_round_trip() -> None:
+    name = labels.emu_label("reduce_scatter", num_bytes=4096, tier="IB", ranks=labels.format_ranks([0, 1, 2, 3, 8, 9]),
+                            modeled_s=12.25e-6)
+    assert name == "cpdpkit::emu::reduce_scatter[bytes=4096,tier=IB,ranks=0-3,8-9,modeled_us=12.2]"
+    parsed = labels.parse_emu_label(name)
+    assert parsed == labels.EmuLabel("reduce_scatter", 4096, "IB", (0, 1, 2, 3, 8, 9), 12.2)
+    assert classify_name(name).cpu_role == "emu"
+    assert labels.parse_emu_label("cpdpkit::emu::all_reduce[bytes=1") is None
+    assert labels.parse_emu_label("cpdpkit::sync::grad_wait") is None
+
+
+def _inside(event: tuple, spans: list[tuple]) -> bool:
+    _, thread, start, end = event
+    return any(t == thread and s <= start and end <= e for _, t, s, e in spans)
+
+
+def _check_collectives_labelled(events: list[tuple], allowed_foreign: tuple[str, ...]) -> set[str]:
+    """Every c10d call site runs inside a cpdpkit communication phase (or a foreign library's own
+    span, e.g. FSDP2's); returns the cpdpkit phases seen."""
+    comm = [e for e in events if (p := labels.phase_by_label(e[0])) is not None and p.is_communication]
+    foreign = [e for e in events if e[0].startswith(allowed_foreign)] if allowed_foreign else []
+    calls = [e for e in events if e[0].startswith("c10d::")]
+    assert calls, "no collective seen at all"
+    bare = [e[0] for e in calls if not _inside(e, comm) and not _inside(e, foreign)]
+    assert not bare, f"collectives without a cpdpkit label: {sorted(set(bare))}"
+    local = [e for e in events if (p := labels.phase_by_label(e[0])) is not None and not p.is_communication]
+    inside_local = [e[0] for e in calls if _inside(e, local) and not _inside(e, comm)]
+    assert not inside_local, f"collectives inside a local-work label: {inside_local}"
+    return {labels.phase_by_label(e[0]) for e in events if labels.phase_by_label(e[0]) is not None}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_every_collective_cpdpkit_issues_is_labelled(tmp_path) -> None:
+    config = PlannerConfig(param_dtype="float32", grad_dtype="float32", optim_state_bytes_per_param=8,
+                           min_unit_bytes=1000)
+    with torch.device("meta"):
+        plan = plan_sharding(pj.Net(), "wan", world_size=4, config=config)
+    assert plan.mesh.shape == (2, 2) and plan.state_sharding.axis == "replicate"
+    results = jobs.spawn(tmp_path, plan.to_dict())
+    for rank, saved in enumerate(results):
+        seen = _check_collectives_labelled(saved["sync"], ())
+        s = labels.SYNC
+        assert {s.CONFIG_CHECK, s.BROADCAST_INIT, s.GRAD_ALLREDUCE, s.GRAD_WAIT, s.PARAM_AVERAGE,
+                s.BUFFER_SYNC, s.STATE_SYNC, s.SLOWMO_UPDATE} <= seen, (rank, seen)
+        seen = _check_collectives_labelled(saved["executor"], ("FSDP::",))
+        h = labels.SHARD
+        assert {h.GRAD_REDUCE_SCATTER, h.GRAD_WAIT, h.GRAD_NORM, h.PARAM_ALL_GATHER, h.PARAM_WAIT,
+                h.UPDATE} <= seen, (rank, seen)
