@@ -4,7 +4,8 @@
 runs the script as ``__main__`` (runpy, with ``sys.argv`` set to the script's) and
 
 * ``--profile DIR``: inside :func:`cpdpkit.tracing.trace_rank` (``DIR/rank<R>.pt.trace.json``);
-  rank 0 writes ``DIR/run.json`` (topology, world size, script, ...);
+  rank 0 writes ``DIR/run.json`` (topology, world size, script, ...); the script reaches the
+  profiler through :func:`cpdpkit.tracing.active_profiler`;
 * ``--py-spy DIR``: re-runs itself under ``py-spy record`` (``DIR/rank<R>.speedscope.json``).
   py-spy exits 0 whatever its child does, so the child reports its exit code through a file.
 
@@ -53,8 +54,7 @@ def _run_script(script: str, args: list[str]) -> None:
 
 
 def _run_with_profile(ns: argparse.Namespace) -> None:
-    from cpdpkit import launch as launch_module
-    from cpdpkit.emulator.env import topology_from_env
+    from cpdpkit._env import topology_from_env
     from cpdpkit.tracing import trace_rank
 
     info: dict[str, Any] = json.loads(ns.run_info)
@@ -63,12 +63,10 @@ def _run_with_profile(ns: argparse.Namespace) -> None:
     if topology is not None:
         info["topology_config"] = topology.to_dict()
     info.setdefault("launcher", "cpdpkit launch")
-    with trace_rank(ns.profile, run_info=info) as prof:
-        launch_module._active_profiler = prof
-        try:
-            _run_script(ns.script, ns.args)
-        finally:
-            launch_module._active_profiler = None
+    # The script reaches the profiler through cpdpkit.tracing.active_profiler(), which trace_rank
+    # sets for the block (and cpdpkit.launch.active_profiler re-exports).
+    with trace_rank(ns.profile, run_info=info):
+        _run_script(ns.script, ns.args)
 
 
 def _rerun_under_py_spy(ns: argparse.Namespace, argv: list[str]) -> int:

@@ -9,6 +9,10 @@ records a failing rank's exception with torch elastic's ``@record`` error file.
 The emulated topology reaches the ranks through ``CPDPKIT_TOPOLOGY`` (see
 :mod:`cpdpkit.emulator.env`); a script calls :func:`cpdpkit.init_distributed` to use it.
 
+Importing this module does not import torch (``cpdpkit --help`` and ``cpdpkit profile`` import
+it through the CLI): :func:`launch` imports torchrun when called, and ``active_profiler``, a
+re-export of :func:`cpdpkit.tracing.active_profiler`, loads on first access.
+
 Single-node runs use torchrun's ``--standalone`` rendezvous (a free port, never a fixed one);
 ``nnodes``/``node_rank``/``rdzv_*``/``master_*`` pass through for real multi-node runs. Rank
 stdout goes to the console (and to the log folder); rank stderr goes only to the log folder, so
@@ -24,27 +28,29 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
-from cpdpkit.emulator.env import TOPOLOGY_ENV
+from cpdpkit._env import TOPOLOGY_ENV
 from cpdpkit.errors import ConfigError, LaunchError
 from cpdpkit.topology import Topology, resolve_topology
 
 __all__ = ["LaunchConfig", "LaunchResult", "launch", "torchrun_args", "py_spy_executable", "active_profiler"]
 
 _TRACEBACK_LINES = 8
-_active_profiler: Any = None
 
 
-def active_profiler() -> Any:
-    """The ``torch.profiler.profile`` wrapping this rank under ``cpdpkit launch --profile``, or None.
+def __getattr__(name: str) -> Any:
+    # ``cpdpkit.launch.active_profiler`` (kept for compatibility) is cpdpkit.tracing's function;
+    # tracing imports torch, so it is looked up on first access rather than at import.
+    if name == "active_profiler":
+        from cpdpkit.tracing import active_profiler
 
-    A script may call ``active_profiler().step()`` once per training step to mark steps.
-    """
-    return _active_profiler
+        return active_profiler
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _check_positive(name: str, value: Any) -> None:

@@ -16,6 +16,9 @@ Usage on every rank::
 ``schedule=None`` records the whole block, still marking a ``ProfilerStep#N`` at every
 ``prof.step()``. Files are written to a temporary name first and renamed, so a reader never
 sees a half-written trace.
+
+Code that did not open the block (a script run by ``cpdpkit launch --profile``) reaches the
+profiler through :func:`active_profiler`.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import os
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +39,7 @@ from torch.profiler import schedule as _torch_schedule
 
 __all__ = [
     "trace_rank",
+    "active_profiler",
     "write_run_json",
     "default_schedule",
     "record_all_schedule",
@@ -45,6 +50,23 @@ __all__ = [
 
 RUN_JSON = "run.json"
 TRACE_SUFFIX = ".pt.trace.json"
+
+# The profiler of the open ``trace_rank`` block. A ContextVar, not a module global that other
+# modules assign: ``trace_rank`` sets it on enter and resets it with the token on exit (an exception
+# included), so the value lives exactly as long as the block and only this module writes it. Like
+# ``prof.step()`` it belongs to the thread that runs the block: a thread started inside the block
+# starts from an empty context and sees None.
+_ACTIVE_PROFILER: ContextVar[profile | None] = ContextVar("cpdpkit_active_profiler", default=None)
+
+
+def active_profiler() -> profile | None:
+    """The ``torch.profiler.profile`` of the enclosing :func:`trace_rank` block, or None outside one.
+
+    Under ``cpdpkit launch --profile`` the launcher wraps each rank's script in ``trace_rank``, so
+    a script may call ``active_profiler().step()`` once per training step to mark steps (check
+    for None to run unprofiled too).
+    """
+    return _ACTIVE_PROFILER.get()
 
 
 def default_schedule(
@@ -169,7 +191,11 @@ def trace_rank(
         with_stack=with_stack,
         profile_memory=profile_memory,
     ) as prof:
-        yield prof
+        token = _ACTIVE_PROFILER.set(prof)
+        try:
+            yield prof
+        finally:
+            _ACTIVE_PROFILER.reset(token)
 
 
 def write_run_json(out_dir: str | os.PathLike[str], **info: Any) -> Path:

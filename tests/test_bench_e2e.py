@@ -1,4 +1,5 @@
-"""cpdpkit bench end to end: real launches over the emulated WAN, failures, bad options."""
+"""cpdpkit bench (the main job) end to end: real launches over the emulated WAN, failures, bad options,
+and how its options resolve (``--quick``'s reduced defaults, the defaults ``--help`` documents)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import typer.main
 from typer.testing import CliRunner
 
-from cpdpkit.bench.config import BenchConfig, RunSpec
+from cpdpkit.bench.config import BENCH_STRATEGIES, BenchConfig, RunSpec
 from cpdpkit.bench.runner import run_one
 from cpdpkit.cli import app
+from cpdpkit.cli.bench import _bench_config
 
 RESULT_KEYS = {"strategy", "period", "peak_test_acc", "final_test_acc", "wall_s", "step_s",
                "exposed_sync_s_per_step", "bytes_per_step", "seeds"}
@@ -81,6 +84,8 @@ def test_failed_and_diverged_runs_are_reported_with_their_reason(tmp_path):
         (["--dataset", "cifar100", "--data-dir", "/nonexistent"],
          "--data-dir '/nonexistent' holds no CIFAR-100"),
         (["--topology", "moon"], "unknown topology preset 'moon'"),
+        (["--suite", "fedavg"], "unknown --suite 'fedavg': drop --suite for the main job"),
+        (["--steps", "3", "--optimizer", "sgd"], "--steps, --optimizer: option(s) of the sharding suite only"),
     ],
 )
 def test_bad_options_exit_2_with_one_line_before_anything_starts(args, message, tmp_path):
@@ -89,3 +94,43 @@ def test_bad_options_exit_2_with_one_line_before_anything_starts(args, message, 
     lines = [ln for ln in result.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
     assert not any(Path(tmp_path).iterdir()), "nothing may start before the options are valid"
+
+
+_NONE = dict(strategies=None, periods=None, epochs=None, model=None, batch_size=None, lr=None, world_size=None,
+             topology=None, profile_dir=None)
+
+
+@pytest.mark.parametrize(("given", "expect"), [
+    ({}, BenchConfig()),
+    ({"quick": True}, BenchConfig(strategies=("ddp", "localsgd-torch", "cpdp"), periods=(4,), epochs=3, quick=True)),
+    ({"quick": True, "strategies": "ddp,slowmo", "periods": "2", "epochs": 2},
+     BenchConfig(strategies=("ddp", "slowmo"), periods=(2,), epochs=2, quick=True)),
+    ({"quick": True, "epochs": 10}, BenchConfig(strategies=("ddp", "localsgd-torch", "cpdp"), periods=(4,),
+                                                epochs=3, quick=True)),  # --quick caps the epochs, as it always did
+    ({"strategies": "cpdp", "world_size": 4, "topology": "cluster", "lr": 0.05},
+     BenchConfig(strategies=("cpdp",), world_size=4, topology="cluster", lr=0.05)),
+])
+def test_options_resolve_to_the_config(given, expect):
+    kw = {**_NONE, "quick": False, "dataset": "digits", "data_dir": None, "momentum": 0.0, "seeds": 1, **given}
+    assert _bench_config(**kw) == expect
+
+
+def test_help_documents_the_configs_defaults():
+    bench = typer.main.get_command(app).commands["bench"]  # type: ignore[attr-defined]
+    documented = {p.name: str(p.show_default).split(";")[0].strip() for p in bench.params
+                  if isinstance(p.show_default, str)}
+    quick = _bench_config(**{**_NONE, "quick": True, "dataset": "digits", "data_dir": None, "momentum": 0.0,
+                             "seeds": 1})
+    config = BenchConfig()
+    assert documented.pop("strategies") == "all" and config.strategies == BENCH_STRATEGIES
+    assert documented.pop("periods") == ",".join(map(str, config.periods))
+    assert documented == {name: str(getattr(config, name)) for name in documented}
+    assert set(documented) == {"model", "epochs", "batch_size", "lr", "world_size", "topology"}
+    quick_doc = {p.name: str(p.show_default).split("--quick:")[1].strip() for p in bench.params
+                 if isinstance(p.show_default, str) and "--quick:" in p.show_default}
+    assert quick_doc == {"strategies": ",".join(quick.strategies), "periods": ",".join(map(str, quick.periods)),
+                         "epochs": f"at most {quick.epochs}"}
+    result = CliRunner().invoke(app, ["bench", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0 and "sharding" in result.output
+    assert all(name in result.output for name in BENCH_STRATEGIES)
+    assert "--steps" not in result.output and "--optimizer" not in result.output  # the sharding suite's

@@ -63,3 +63,15 @@ def test_plan_errors_are_one_line_and_exit_2(args, message):
     assert result.exit_code == 2
     assert message in result.output
     assert "Traceback" not in result.output
+
+
+def test_help_shows_the_schedules_default_estimates():
+    import typer.main
+
+    from cpdpkit.planner.schedule import DEFAULT_FLOPS_PER_S, DEFAULT_TOKENS_PER_RANK
+
+    shown = {p.name: p.show_default for p in typer.main.get_command(app).commands["plan"].params}  # type: ignore[attr-defined]
+    assert shown["tokens_per_rank"] == str(DEFAULT_TOKENS_PER_RANK)
+    assert float(shown["tflops"]) == DEFAULT_FLOPS_PER_S / 1e12
+    result = CliRunner().invoke(app, ["plan", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0 and f"[default: ({DEFAULT_TOKENS_PER_RANK})]" in result.output

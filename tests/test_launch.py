@@ -151,3 +151,31 @@ def test_launch_py_spy_records_every_rank(tmp_path: Path) -> None:
     assert [Path(p).name for p in result.py_spy_files] == ["rank0.speedscope.json", "rank1.speedscope.json"]
     profile = json.loads(Path(result.py_spy_files[0]).read_text())
     assert "speedscope" in profile["$schema"]
+
+
+def test_child_gives_the_script_the_active_profiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m cpdpkit._child --profile`` (what torchrun runs per rank), in-process on one rank."""
+    from cpdpkit import _child
+    from cpdpkit.tracing import active_profiler
+
+    script = tmp_path / "steps.py"
+    script.write_text(
+        "import sys\n"
+        "import torch\n"
+        "from cpdpkit.launch import active_profiler\n"
+        "prof = active_profiler()\n"
+        "for _ in range(3):\n"
+        "    torch.mm(torch.ones(8, 8), torch.ones(8, 8))\n"
+        "    prof.step()\n"
+        "open(sys.argv[1], 'w').write(type(prof).__name__)\n"
+    )
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delenv(TOPOLOGY_ENV, raising=False)
+    out, seen = tmp_path / "run", tmp_path / "seen.txt"
+    assert _child.main(["--profile", str(out), "--run-info", '{"strategy": "ddp"}', "--", str(script), str(seen)]) == 0
+    assert seen.read_text() == "profile"
+    assert active_profiler() is None  # reset when the script's block closed
+    assert sorted(p.name for p in out.iterdir()) == ["rank0.pt.trace.json", "run.json"]
+    assert json.loads((out / "run.json").read_text())["launcher"] == "cpdpkit launch"
+    assert '"ProfilerStep#2"' in (out / "rank0.pt.trace.json").read_text()

@@ -34,7 +34,8 @@ def test_whole_block_with_steps_and_run_json(tmp_path: Path) -> None:
 
 
 def test_schedule_gzip_and_worker_name(tmp_path: Path) -> None:
-    with trace_rank(tmp_path, worker_name="w7", schedule=default_schedule(wait=1, warmup=1, active=2), gzip=True) as prof:
+    with trace_rank(tmp_path, worker_name="w7", schedule=default_schedule(wait=1, warmup=1, active=2),
+                    gzip=True) as prof:
         _work(6, prof)
     assert [p.name for p in tmp_path.iterdir()] == ["w7.pt.trace.json.gz"]
     (run,) = analyze([tmp_path]).runs
@@ -52,3 +53,28 @@ def test_bad_worker_name(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="plain file-name stem"):
         with trace_rank(tmp_path, worker_name="a/b"):
             pass
+
+
+def test_active_profiler_is_the_open_blocks_and_reset_on_exit(tmp_path: Path) -> None:
+    import threading
+
+    import cpdpkit.launch
+    from cpdpkit.tracing import active_profiler
+
+    assert cpdpkit.launch.active_profiler is active_profiler  # the launcher's name is a re-export
+    assert active_profiler() is None
+    seen_in_thread = []
+    with trace_rank(tmp_path / "a") as prof:
+        assert active_profiler() is prof
+        worker = threading.Thread(target=lambda: seen_in_thread.append(active_profiler()))
+        worker.start()
+        worker.join()
+        _work(2, active_profiler())
+    assert active_profiler() is None
+    assert seen_in_thread == [None]  # a thread starts from an empty context: steps belong to the block's thread
+    with pytest.raises(RuntimeError, match="boom"):
+        with trace_rank(tmp_path / "b"):
+            raise RuntimeError("boom")
+    assert active_profiler() is None
+    (run,) = analyze([tmp_path / "a"]).runs
+    assert [s.step for s in run.ranks[0].steps][:2] == [0, 1]

@@ -1,4 +1,4 @@
-"""A small GPT-style language model and generated token data for ``cpdpkit bench --suite sharding``.
+"""A small GPT-style language model and generated token data for ``cpdpkit bench sharding``.
 
 Plain ``torch.nn``: token + position embeddings, ``num_layers`` pre-norm blocks (causal
 multi-head self-attention, 4x GELU MLP) in ``blocks`` (a ``ModuleList``, so the planner sees
@@ -51,7 +51,7 @@ GPT_PRESETS: dict[str, GPTConfig] = {
 
 def gpt_preset(name: str) -> GPTConfig:
     if name not in GPT_PRESETS:
-        raise ConfigError(f"unknown model {name!r} for --suite sharding: choose one of {', '.join(GPT_PRESETS)}")
+        raise ConfigError(f"unknown model {name!r} for cpdpkit bench sharding: choose one of {', '.join(GPT_PRESETS)}")
     return GPT_PRESETS[name]
 
 

@@ -1,4 +1,4 @@
-"""``cpdpkit bench --suite sharding``: FSDP2, FSDP2 HSDP, the planner's plan and the two-stage
+"""``cpdpkit bench sharding``: FSDP2, FSDP2 HSDP, the planner's plan and the two-stage
 executor on one small GPT over an emulated two-tier cluster.
 
 Strategies (each its own torchrun job over the emulated topology; same model, data, seed and
@@ -58,7 +58,7 @@ _STATE_BYTES_PER_PARAM = {"adamw": 8, "adam": 8, "sgd": 4}  # fp32 moments / mom
 
 @dataclass(frozen=True, kw_only=True)
 class ShardingBenchConfig:
-    """What ``cpdpkit bench --suite sharding`` runs (defaults: the 4-rank 2x2 comparison)."""
+    """What ``cpdpkit bench sharding`` runs (defaults: the 4-rank 2x2 comparison)."""
 
     strategies: tuple[str, ...] = SHARDING_STRATEGIES
     model: str = "gpt-tiny"
@@ -79,7 +79,7 @@ class ShardingBenchConfig:
             raise ConfigError(f"--max-grad-norm must be > 0, got {self.max_grad_norm!r}: e.g. --max-grad-norm 1.0")
         for s in self.strategies:
             if s not in SHARDING_STRATEGIES:
-                raise ConfigError(f"unknown strategy {s!r} for --suite sharding: choose from "
+                raise ConfigError(f"unknown strategy {s!r} for cpdpkit bench sharding: choose from "
                                   f"{', '.join(SHARDING_STRATEGIES)}")
         if not self.strategies:
             raise ConfigError("--strategies is empty: e.g. --strategies hsdp,two-stage")

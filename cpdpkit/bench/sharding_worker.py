@@ -1,4 +1,4 @@
-"""One rank of one ``cpdpkit bench --suite sharding`` run (launched by torchrun through :mod:`cpdpkit.launch`).
+"""One rank of one ``cpdpkit bench sharding`` run (launched by torchrun through :mod:`cpdpkit.launch`).
 
     python -m cpdpkit.bench.sharding_worker RUN_DIR
 

@@ -1,4 +1,7 @@
-"""``cpdpkit bench --suite sharding``: options to a ShardingBenchConfig, progress, the table and --json."""
+"""``cpdpkit bench sharding``: options to a ShardingBenchConfig, progress, the table and --json.
+
+Torch-free at import (``cpdpkit bench --help`` imports it); the suite's modules load when it runs.
+"""
 
 from __future__ import annotations
 
@@ -6,33 +9,39 @@ import json
 import math
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.table import Table
-
-from cpdpkit.bench.sharding import ShardingBenchConfig, ShardingReport, run_sharding_bench
 from cpdpkit.cli.app import out_console
 
-__all__ = ["run_sharding_suite"]
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from cpdpkit.bench.sharding import ShardingBenchConfig, ShardingReport
+
+__all__ = ["run_sharding_suite", "sharding_config"]
+
+_QUICK_MODEL = "gpt-micro"
+_QUICK_MAX_STEPS = 4
+_QUICK_WARMUP_STEPS = 1
 
 
-def _config(given: set[str], *, quick: bool, steps: int, **kw: Any) -> ShardingBenchConfig:
-    args: dict[str, Any] = {"steps": steps, "optimizer": kw["optimizer"], "memory_budget": kw["memory_budget"],
-                            "max_grad_norm": kw["max_grad_norm"], "profile_dir": kw["profile"]}
-    if "strategies" in given:
-        args["strategies"] = tuple(s.strip() for s in kw["strategies"].split(",") if s.strip())
-    for name in ("model", "world_size", "topology", "batch_size", "lr"):
-        if name in given:
-            args[name] = kw[name]
+def sharding_config(*, strategies: str | None, quick: bool, profile: str | None, **kw: Any) -> ShardingBenchConfig:
+    """The suite's config: the options given (not None), else ``--quick``'s reduced defaults, else the config's."""
+    from cpdpkit.bench.sharding import ShardingBenchConfig
+
+    args: dict[str, Any] = {name: value for name, value in kw.items() if value is not None}
+    if strategies is not None:
+        args["strategies"] = tuple(s.strip() for s in strategies.split(",") if s.strip())
     if quick:
-        args.setdefault("model", "gpt-micro")
-        args["steps"], args["warmup_steps"] = min(steps, 4), 1
-    return ShardingBenchConfig(**args)
+        args.setdefault("model", _QUICK_MODEL)
+        args["steps"] = min(args.get("steps", _QUICK_MAX_STEPS), _QUICK_MAX_STEPS)
+        args["warmup_steps"] = _QUICK_WARMUP_STEPS
+    return ShardingBenchConfig(profile_dir=profile, **args)
 
 
-def run_sharding_suite(*, given: set[str], quick: bool, json_out: str | None, work_dir: str | None,
-                       **kw: Any) -> None:
-    config = _config(given, quick=quick, **kw)
+def run_sharding_suite(config: ShardingBenchConfig, *, json_out: str | None, work_dir: str | None) -> None:
+    """Run the suite (validating and planning first: a bad config raises before any launch); print and write."""
+    from cpdpkit.bench.sharding import run_sharding_bench
 
     def emit(event: tuple[Any, ...]) -> None:
         if event[0] == "done":
@@ -57,6 +66,8 @@ def _f(value: Any, spec: str) -> str:
 
 
 def _table(report: ShardingReport) -> Table:
+    from rich.table import Table
+
     cfg = report.config
     tiers = sorted({t for r in report.results for t in (r.get("tier_bytes_per_step") or {})})
     table = Table(title=f"{cfg['model']}, {cfg['world_size']} ranks ({cfg['num_replicas']} nodes x "

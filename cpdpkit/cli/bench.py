@@ -1,4 +1,14 @@
-"""``cpdpkit bench``: every synchronisation strategy on one workload over an emulated network."""
+"""``cpdpkit bench``: benchmark suites over an emulated network, one sub-command per suite.
+
+``cpdpkit bench [OPTIONS]`` runs the main job: every synchronisation strategy on one workload.
+``cpdpkit bench sharding [OPTIONS]`` runs the sharding suite (:mod:`cpdpkit.cli._bench_sharding`).
+``--suite sharding`` on the main job still works; it prints a one-line deprecation notice.
+
+Options whose default depends on other options (``--quick``, the suite) default to None here and
+are resolved in one place each (:func:`_bench_config`, :func:`~cpdpkit.cli._bench_sharding.sharding_config`);
+the defaults shown in ``--help`` are documentation of those (tests/test_bench_* check them).
+The benchmark's modules import torch, so they are imported when a suite runs, never for ``--help``.
+"""
 
 from __future__ import annotations
 
@@ -6,18 +16,53 @@ import json
 import math
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from typer.core import TyperGroup
 
-from cpdpkit.bench.config import BENCH_STRATEGIES, BenchConfig
-from cpdpkit.bench.report import BenchReport, StrategyResult
-from cpdpkit.bench.runner import run_bench
-from cpdpkit.cli.app import app, out_console
+from cpdpkit.cli._bench_sharding import run_sharding_suite, sharding_config
+from cpdpkit.cli.app import app, err_console, out_console
 from cpdpkit.errors import ConfigError
 
-__all__ = ["bench"]
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from cpdpkit.bench.config import BenchConfig
+    from cpdpkit.bench.report import BenchReport, StrategyResult
+
+__all__ = ["bench_app", "bench", "sharding"]
+
+_QUICK_STRATEGIES = ("ddp", "localsgd-torch", "cpdp")
+_QUICK_PERIODS = (4,)
+_QUICK_MAX_EPOCHS = 3
+_SHARDING_ONLY = ("--steps", "--optimizer", "--memory-budget", "--max-grad-norm")
+
+
+class _BenchGroup(TyperGroup):
+    """``bench`` is the main job and a group of suites: refuse main-job options before a suite's name.
+
+    ``cpdpkit bench --quick sharding`` would otherwise parse ``--quick`` as the main job's
+    option and then drop it; the fix is to put the options after the suite's name.
+    """
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        given = list(args)  # the parser consumes ``args``
+        rest = super().parse_args(ctx, args)
+        suite = ctx._protected_args  # the sub-command TyperGroup.invoke will run (same attribute it reads)
+        if suite and suite[0] in self.commands:
+            before = given[: len(given) - len(rest) - 1]
+            if before:
+                raise ConfigError(f"{' '.join(before)} before {suite[0]!r} would be ignored: put the options after "
+                                  f"the suite's name, e.g. cpdpkit bench {suite[0]} {' '.join(before)}")
+        return rest
+
+
+bench_app = typer.Typer(
+    cls=_BenchGroup, invoke_without_command=True, no_args_is_help=False,
+    short_help="Compare strategies over an emulated network: sync strategies (default) or sharding.",
+)
+app.add_typer(bench_app, name="bench")
 
 
 def _int_list(name: str, text: str) -> tuple[int, ...]:
@@ -27,76 +72,133 @@ def _int_list(name: str, text: str) -> tuple[int, ...]:
         raise ConfigError(f"{name} {text!r} is not a comma-separated list of integers: e.g. {name} 2,4") from None
 
 
-def _config(*, strategies_given: bool, periods_given: bool, **kw) -> BenchConfig:  # noqa: ANN003
-    strategies = tuple(s.strip() for s in kw.pop("strategies").split(",") if s.strip())
-    periods = _int_list("--periods", kw.pop("periods"))
-    if kw["quick"]:  # a smaller run, unless the user chose strategies/periods
-        kw["epochs"] = min(kw["epochs"], 3)
-        strategies = strategies if strategies_given else ("ddp", "localsgd-torch", "cpdp")
-        periods = periods if periods_given else (4,)
-    return BenchConfig(strategies=strategies, periods=periods, **kw)
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(s.strip() for s in text.split(",") if s.strip())
 
 
-@app.command()
+def _bench_config(*, strategies: str | None, periods: str | None, epochs: int | None, quick: bool,
+                  **kw: Any) -> BenchConfig:
+    """The main job's BenchConfig: the options given, else ``--quick``'s reduced defaults, else BenchConfig's."""
+    from cpdpkit.bench.config import BenchConfig
+
+    args = {name: value for name, value in kw.items() if value is not None}
+    if strategies is not None:
+        args["strategies"] = _names(strategies)
+    elif quick:
+        args["strategies"] = _QUICK_STRATEGIES
+    if periods is not None:
+        args["periods"] = _int_list("--periods", periods)
+    elif quick:
+        args["periods"] = _QUICK_PERIODS
+    if epochs is not None:
+        args["epochs"] = epochs
+    if quick:  # --quick caps the epochs even when they are given
+        args["epochs"] = min(args.get("epochs", _QUICK_MAX_EPOCHS), _QUICK_MAX_EPOCHS)
+    return BenchConfig(quick=quick, **args)
+
+
+@bench_app.callback()
 def bench(
     ctx: typer.Context,
-    suite: str = typer.Option("cpdp", "--suite", help="cpdp (synchronisation strategies) | sharding "
-                              "(fsdp2, hsdp, planned, two-stage on a small GPT)."),
-    strategies: str = typer.Option(",".join(BENCH_STRATEGIES), help="Comma-separated subset."),
-    periods: str = typer.Option("2,4", help="K values for the periodic strategies."),
-    model: str = typer.Option("cnn", help="cnn | resnet18 | resnet50 | vit-s (torchvision)."),
+    suite: str = typer.Option("cpdp", "--suite", help="Deprecated: --suite sharding is `cpdpkit bench sharding`."),
+    strategies: str | None = typer.Option(None, help="Comma-separated subset of ddp, localsgd-torch, localsgd, "
+                                             "slowmo, cpdp.", show_default="all; --quick: ddp,localsgd-torch,cpdp"),
+    periods: str | None = typer.Option(None, help="K values for the periodic strategies.",
+                                          show_default="2,4; --quick: 4"),
+    model: str | None = typer.Option(None, help="cnn | resnet18 | resnet50 | vit-s (torchvision).",
+                                        show_default="cnn"),
     dataset: str = typer.Option("digits", help="digits | synthetic | cifar100."),
-    data_dir: str = typer.Option(None, help="Folder holding CIFAR-100 (cifar100 only)."),
-    epochs: int = typer.Option(30, help="Passes over the training set."),
-    batch_size: int = typer.Option(32, help="Per-rank batch size."),
-    lr: float = typer.Option(0.1, help="Learning rate (fixed, the paper's main setting)."),
+    data_dir: str | None = typer.Option(None, help="Folder holding CIFAR-100 (cifar100 only)."),
+    epochs: int | None = typer.Option(None, help="Passes over the training set.",
+                                         show_default="30; --quick: at most 3"),
+    batch_size: int | None = typer.Option(None, help="Per-rank batch size.", show_default="32"),
+    lr: float | None = typer.Option(None, help="Learning rate (fixed, the paper's main setting).",
+                                       show_default="0.1"),
     momentum: float = typer.Option(0.0, help="Inner SGD momentum."),
-    world_size: int = typer.Option(2, help="Ranks per run."),
-    topology: str = typer.Option("wan", help="Topology preset or TOML file to emulate."),
+    world_size: int | None = typer.Option(None, help="Ranks per run.", show_default="2"),
+    topology: str | None = typer.Option(None, help="Topology preset or TOML file to emulate.",
+                                           show_default="wan"),
     seeds: int = typer.Option(1, help="Seeds per strategy (mean ± std)."),
     quick: bool = typer.Option(False, "--quick", help="A small smoke run (well under a minute)."),
-    profile: str = typer.Option(None, "--profile", help="Write traces for every run under DIR."),
-    json_out: str = typer.Option(None, "--json", help="Write the results as JSON to FILE."),
-    plot: str = typer.Option(None, "--plot", help="Plot test accuracy vs wall clock to FILE.png."),
-    work_dir: str = typer.Option(None, help="Keep per-run folders here (default: a temp dir)."),
-    steps: int = typer.Option(10, help="--suite sharding: timed steps (after 2 warm-up steps)."),
-    optimizer: str = typer.Option("adamw", help="--suite sharding: adamw | adam | sgd."),
-    memory_budget: str = typer.Option(None, help="--suite sharding: planner memory budget per rank, e.g. 64MiB."),
-    max_grad_norm: float = typer.Option(None, help="--suite sharding: clip gradients to this global norm."),
+    profile: str | None = typer.Option(None, "--profile", help="Write traces for every run under DIR."),
+    json_out: str | None = typer.Option(None, "--json", help="Write the results as JSON to FILE."),
+    plot: str | None = typer.Option(None, "--plot", help="Plot test accuracy vs wall clock to FILE.png."),
+    work_dir: str | None = typer.Option(None, help="Keep per-run folders here (default: a temp dir)."),
+    steps: int | None = typer.Option(None, hidden=True),  # the next four: only for --suite sharding
+    optimizer: str | None = typer.Option(None, hidden=True),
+    memory_budget: str | None = typer.Option(None, hidden=True),
+    max_grad_norm: float | None = typer.Option(None, hidden=True),
 ) -> None:
     """Train one workload under ddp, localsgd-torch, localsgd, slowmo and cpdp; compare them.
 
-    --suite sharding: fsdp2, hsdp, planned and two-stage on a small GPT over an emulated cluster."""
-    from cpdpkit.topology import resolve_topology
-
+    Other suites are sub-commands: cpdpkit bench sharding --help."""
+    if ctx.invoked_subcommand is not None:
+        return
+    sharding_kw = {"steps": steps, "optimizer": optimizer, "memory_budget": memory_budget,
+                   "max_grad_norm": max_grad_norm}
     if suite == "sharding":
-        from cpdpkit.cli._bench_sharding import run_sharding_suite
-
-        given = {name for name in ("strategies", "model", "world_size", "topology", "batch_size", "lr")
-                 if ctx.get_parameter_source(name).name != "DEFAULT"}
-        run_sharding_suite(given=given, strategies=strategies, model=model, world_size=world_size,
-                           topology=topology, batch_size=batch_size, lr=lr, steps=steps, optimizer=optimizer,
-                           memory_budget=memory_budget, max_grad_norm=max_grad_norm, quick=quick,
-                           profile=profile, json_out=json_out,
-                           work_dir=work_dir)
+        err_console.print("note: `cpdpkit bench --suite sharding` is deprecated; use `cpdpkit bench sharding` "
+                          "(same options)", soft_wrap=True, highlight=False)
+        config = sharding_config(strategies=strategies, model=model, world_size=world_size, topology=topology,
+                                 batch_size=batch_size, lr=lr, quick=quick, profile=profile, **sharding_kw)
+        run_sharding_suite(config, json_out=json_out, work_dir=work_dir)
         return
     if suite != "cpdp":
-        raise ConfigError(f"unknown --suite {suite!r}: choose cpdp or sharding")
-
-    config = _config(
-        strategies=strategies, periods=periods, model=model, dataset=dataset, data_dir=data_dir,
-        epochs=epochs, batch_size=batch_size, lr=lr, momentum=momentum, world_size=world_size,
-        topology=topology, seeds=seeds, quick=quick, profile_dir=profile,
-        strategies_given=ctx.get_parameter_source("strategies").name != "DEFAULT",
-        periods_given=ctx.get_parameter_source("periods").name != "DEFAULT",
+        raise ConfigError(f"unknown --suite {suite!r}: drop --suite for the main job, or run cpdpkit bench sharding")
+    given = [flag for flag, value in zip(_SHARDING_ONLY, sharding_kw.values()) if value is not None]
+    if given:
+        raise ConfigError(f"{', '.join(given)}: option(s) of the sharding suite only; run cpdpkit bench sharding "
+                          f"{given[0]} ...")
+    config = _bench_config(
+        strategies=strategies, periods=periods, model=model, dataset=dataset, data_dir=data_dir, epochs=epochs,
+        batch_size=batch_size, lr=lr, momentum=momentum, world_size=world_size, topology=topology, seeds=seeds,
+        quick=quick, profile_dir=profile,
     )
-    resolve_topology(topology, world_size=world_size)  # a bad topology fails before any launch
+    _run_main(config, json_out=json_out, plot=plot, work_dir=work_dir)
+
+
+@bench_app.command("sharding")
+def sharding(
+    strategies: str | None = typer.Option(None, help="Comma-separated subset of fsdp2, hsdp, planned, two-stage.",
+                                             show_default="all four"),
+    model: str | None = typer.Option(None, help="gpt-tiny | gpt-small | gpt-micro.",
+                                        show_default="gpt-tiny; --quick: gpt-micro"),
+    world_size: int | None = typer.Option(None, help="Ranks per run (>= 2 nodes of the topology).",
+                                             show_default="4"),
+    topology: str | None = typer.Option(None, help="cluster-slow-ib (nodes of 2 ranks, a scaled-down IB link "
+                                           "between them), a preset or a TOML file.", show_default="cluster-slow-ib"),
+    batch_size: int | None = typer.Option(None, help="Sequences per rank per step.", show_default="4"),
+    lr: float | None = typer.Option(None, help="Learning rate.", show_default="0.003"),
+    steps: int | None = typer.Option(None, help="Timed steps, after 2 warm-up steps (--quick: 1).",
+                                        show_default="10; --quick: at most 4"),
+    optimizer: str | None = typer.Option(None, help="adamw | adam | sgd.", show_default="adamw"),
+    memory_budget: str | None = typer.Option(None, help="Planner memory budget per rank, e.g. 64MiB.",
+                                                show_default="no limit"),
+    max_grad_norm: float | None = typer.Option(None, help="Clip gradients to this global norm.",
+                                                  show_default="no clipping"),
+    quick: bool = typer.Option(False, "--quick", help="A small smoke run (well under a minute)."),
+    profile: str | None = typer.Option(None, "--profile", help="Write traces for every run under DIR."),
+    json_out: str | None = typer.Option(None, "--json", help="Write the results as JSON to FILE."),
+    work_dir: str | None = typer.Option(None, help="Keep per-run folders here (default: a temp dir)."),
+) -> None:
+    """fsdp2, hsdp, planned and two-stage on a small GPT over an emulated two-tier cluster; compare them."""
+    config = sharding_config(strategies=strategies, model=model, world_size=world_size, topology=topology,
+                             batch_size=batch_size, lr=lr, steps=steps, optimizer=optimizer,
+                             memory_budget=memory_budget, max_grad_norm=max_grad_norm, quick=quick, profile=profile)
+    run_sharding_suite(config, json_out=json_out, work_dir=work_dir)
+
+
+# ---- the main job: run, table, --json, --plot -------------------------------------------------------
+def _run_main(config: BenchConfig, *, json_out: str | None, plot: str | None, work_dir: str | None) -> None:
+    from cpdpkit.topology import resolve_topology
+
+    resolve_topology(config.topology, world_size=config.world_size)  # a bad topology fails before any launch
     with tempfile.TemporaryDirectory(prefix="cpdpkit-bench-") as tmp:
         report = _run_with_progress(config, Path(work_dir or tmp))
     out_console.print(_table(report))
-    failed = [r for r in report.results if r.status != "ok"]
-    for r in failed:
-        out_console.print(f"[red]{r.label} {r.status}:[/red] {'; '.join(r.reasons)}")
+    for r in report.results:
+        if r.status != "ok":
+            out_console.print(f"[red]{r.label} {r.status}:[/red] {'; '.join(r.reasons)}")
     if json_out:
         Path(json_out).write_text(json.dumps(report.to_dict(), indent=1))
         out_console.print(f"wrote {json_out}")
@@ -106,6 +208,10 @@ def bench(
 
 
 def _run_with_progress(config: BenchConfig, work_dir: Path) -> BenchReport:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from cpdpkit.bench.runner import run_bench
+
     runs = config.runs()
     columns = (TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
@@ -144,6 +250,8 @@ def _row(r: StrategyResult) -> list[str]:
 
 
 def _table(report: BenchReport) -> Table:
+    from rich.table import Table
+
     cfg = report.config
     table = Table(title=f"{cfg['model']} on {cfg['dataset']}, {cfg['world_size']} ranks, topology "
                         f"{cfg['topology']}, lr {cfg['lr']}, {cfg['epochs']} epochs, "

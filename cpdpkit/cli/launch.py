@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 from rich.markup import escape
 
 from cpdpkit.cli.app import app, err_console, out_console
-from cpdpkit.launch import LaunchConfig, launch
 
 __all__ = ["launch_command"]
 
@@ -21,22 +18,26 @@ def launch_command(
     ctx: typer.Context,
     script: str = typer.Argument(..., help="The Python script every rank runs; arguments after it go to it."),
     nproc_per_node: int = typer.Option(1, "--nproc-per-node", "--nproc", help="Ranks on this node."),
-    topology: Optional[str] = typer.Option(None, "--topology", "-t", help="Emulate this topology: lan, wan, cluster or a .toml file."),
-    profile: Optional[str] = typer.Option(None, "--profile", help="Write each rank's torch.profiler trace and run.json here."),
-    py_spy: Optional[str] = typer.Option(None, "--py-spy", help="Record each rank with py-spy (speedscope) here."),
+    topology: str | None = typer.Option(None, "--topology", "-t",
+                                        help="Emulate this topology: lan, wan, cluster or a .toml file."),
+    profile: str | None = typer.Option(None, "--profile",
+                                       help="Write each rank's torch.profiler trace and run.json here."),
+    py_spy: str | None = typer.Option(None, "--py-spy", help="Record each rank with py-spy (speedscope) here."),
     nnodes: str = typer.Option("1", "--nnodes", help="Nodes (N or MIN:MAX), passed to torchrun."),
-    node_rank: Optional[int] = typer.Option(None, "--node-rank", help="Passed to torchrun."),
-    rdzv_backend: Optional[str] = typer.Option(None, "--rdzv-backend", help="Passed to torchrun."),
-    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="Passed to torchrun."),
-    rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id", help="Passed to torchrun."),
-    master_addr: Optional[str] = typer.Option(None, "--master-addr", help="Passed to torchrun."),
-    master_port: Optional[int] = typer.Option(None, "--master-port", help="Passed to torchrun (default: a free port)."),
-    log_dir: Optional[str] = typer.Option(None, "--log-dir", help="Rank logs (default: a temporary folder)."),
+    node_rank: int | None = typer.Option(None, "--node-rank", help="Passed to torchrun."),
+    rdzv_backend: str | None = typer.Option(None, "--rdzv-backend", help="Passed to torchrun."),
+    rdzv_endpoint: str | None = typer.Option(None, "--rdzv-endpoint", help="Passed to torchrun."),
+    rdzv_id: str | None = typer.Option(None, "--rdzv-id", help="Passed to torchrun."),
+    master_addr: str | None = typer.Option(None, "--master-addr", help="Passed to torchrun."),
+    master_port: int | None = typer.Option(None, "--master-port", help="Passed to torchrun (default: a free port)."),
+    log_dir: str | None = typer.Option(None, "--log-dir", help="Rank logs (default: a temporary folder)."),
 ) -> None:
     """Launch SCRIPT [ARGS...] on --nproc-per-node ranks (torchrun), with an emulated network if asked.
 
     Example: cpdpkit launch --nproc-per-node 2 --topology wan --profile runs/ddp train.py --steps 20
     """
+    from cpdpkit.launch import LaunchConfig, launch  # torch-free, but only this command needs it
+
     config = LaunchConfig(
         nproc_per_node=nproc_per_node, topology=topology, profile_dir=profile, py_spy_dir=py_spy,
         nnodes=nnodes, node_rank=node_rank, rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint,
@@ -50,7 +51,8 @@ def launch_command(
         if result.py_spy_files:
             extras.append(f"{len(result.py_spy_files)} py-spy profile(s) in {py_spy}")
         suffix = f"; {'; '.join(extras)}" if extras else ""
-        out_console.print(f"[green]launch finished[/green] in {result.duration_s:.1f} s{escape(suffix)}", soft_wrap=True)
+        out_console.print(f"[green]launch finished[/green] in {result.duration_s:.1f} s{escape(suffix)}",
+                          soft_wrap=True)
         return
     err_console.print(f"[bold red]error:[/bold red] {escape(result.error or 'a rank failed')}", soft_wrap=True)
     for line in result.traceback_tail:

@@ -10,58 +10,71 @@ import time
 from dataclasses import replace
 from itertools import groupby
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.table import Table
 
 from cpdpkit.cli.app import app, out_console
 from cpdpkit.errors import ConfigError
-from cpdpkit.planner import (
-    PlannerConfig,
-    ShardingPlan,
-    TwoStageSchedule,
-    estimate_unit_timings,
-    format_bytes,
-    fsdp2_default_plan,
-    parse_bytes,
-    plan_sharding,
-    plan_two_stage,
-    planning_summary,
-)
-from cpdpkit.planner.schedule import DEFAULT_FLOPS_PER_S, DEFAULT_TOKENS_PER_RANK
-from cpdpkit.planner.planner import resolve_inputs
+
+if TYPE_CHECKING:  # cpdpkit.planner (numpy) loads when the command runs, not for every `cpdpkit --help`
+    from cpdpkit.planner import ShardingPlan, TwoStageSchedule
 
 __all__ = ["plan", "DEFAULT_BUDGET"]
 
 # One 80 GB accelerator (the cluster preset's A100 class); without a budget the fastest plan keeps
 # every layer unsharded after forward, which is rarely what anyone can run.
 DEFAULT_BUDGET = "80GiB"
+# --help shows these; the values are cpdpkit.planner.schedule's DEFAULT_TOKENS_PER_RANK and
+# DEFAULT_FLOPS_PER_S (in TFLOP/s), read when the command runs (tests/test_cli_plan.py checks they agree).
+_TOKENS_PER_RANK_SHOWN = "4096"
+_TFLOPS_SHOWN = "125"
 
 
 @app.command()
 def plan(
-    model: str = typer.Option(..., "--model", help="Preset (resnet50, vit-s, llama-7b, llama-70b) or package.module:factory."),
+    model: str = typer.Option(..., "--model",
+                              help="Preset (resnet50, vit-s, llama-7b, llama-70b) or package.module:factory."),
     topology: str = typer.Option("cluster", "--topology", help="Topology preset (lan, wan, cluster) or a .toml path."),
     world_size: int = typer.Option(..., "--world-size", help="Number of ranks."),
-    ranks_per_node: Optional[int] = typer.Option(None, "--ranks-per-node", help="Override the topology's node size."),
+    ranks_per_node: int | None = typer.Option(None, "--ranks-per-node", help="Override the topology's node size."),
     memory_budget: str = typer.Option(DEFAULT_BUDGET, "--memory-budget",
-                                      help="Per-rank budget for model states and FSDP2 buffers (not activations); 'none': no limit."),
+                                      help="Per-rank budget for model states and FSDP2 buffers (not activations); "
+                                      "'none': no limit."),
     param_dtype: str = typer.Option("bfloat16", "--param-dtype", help="Dtype of sharded parameters (and all-gathers)."),
     grad_dtype: str = typer.Option("bfloat16", "--grad-dtype", help="Dtype of gradients (and reductions)."),
-    optim_bytes: int = typer.Option(12, "--optim-bytes-per-param", help="Optimizer state per parameter (Adam + fp32 master: 12)."),
-    shard_size: Optional[int] = typer.Option(None, "--shard-size", help="Fix the shard axis size (default: planner's choice)."),
+    optim_bytes: int = typer.Option(12, "--optim-bytes-per-param",
+                                    help="Optimizer state per parameter (Adam + fp32 master: 12)."),
+    shard_size: int | None = typer.Option(None, "--shard-size",
+                                          help="Fix the shard axis size (default: planner's choice)."),
     state_sharding: bool = typer.Option(True, "--state-sharding/--no-state-sharding",
-                                        help="Allow optimizer-state sharding across replicas (FSDP2 alone cannot run it)."),
-    tokens_per_rank: int = typer.Option(DEFAULT_TOKENS_PER_RANK, "--tokens-per-rank",
-                                        help="Tokens per rank per step, for the schedule's compute-time estimate."),
-    tflops: float = typer.Option(DEFAULT_FLOPS_PER_S / 1e12, "--tflops",
-                                 help="Achieved TFLOP/s per rank, for the schedule's compute-time estimate."),
+                                        help="Allow optimizer-state sharding across replicas "
+                                        "(FSDP2 alone cannot run it)."),
+    tokens_per_rank: int | None = typer.Option(None, "--tokens-per-rank", show_default=_TOKENS_PER_RANK_SHOWN,
+                                               help="Tokens per rank per step, for the schedule's compute-time "
+                                               "estimate."),
+    tflops: float | None = typer.Option(None, "--tflops", show_default=_TFLOPS_SHOWN,
+                                        help="Achieved TFLOP/s per rank, for the schedule's compute-time estimate."),
     show_schedule: bool = typer.Option(True, "--schedule/--no-schedule",
                                        help="Print the two-stage exchange schedule (it stays in --json either way)."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the plan and a summary to this JSON file."),
+    json_out: Path | None = typer.Option(None, "--json", help="Write the plan and a summary to this JSON file."),
 ) -> None:
     """Plan units, mesh, placements and state sharding; show them beside FSDP2's default."""
+    from cpdpkit.planner import (
+        PlannerConfig,
+        estimate_unit_timings,
+        fsdp2_default_plan,
+        parse_bytes,
+        plan_sharding,
+        plan_two_stage,
+        planning_summary,
+    )
+    from cpdpkit.planner.planner import resolve_inputs
+    from cpdpkit.planner.schedule import DEFAULT_FLOPS_PER_S, DEFAULT_TOKENS_PER_RANK
+
+    tokens_per_rank = DEFAULT_TOKENS_PER_RANK if tokens_per_rank is None else tokens_per_rank
+    tflops = DEFAULT_FLOPS_PER_S / 1e12 if tflops is None else tflops
     if world_size < 1:
         raise ConfigError(f"--world-size must be >= 1, got {world_size}: pass --world-size 64")
     config = PlannerConfig(param_dtype=param_dtype, grad_dtype=grad_dtype, optim_state_bytes_per_param=optim_bytes,
@@ -126,6 +139,8 @@ def _change(new: float, old: float) -> str:
 
 
 def _compare_table(p: ShardingPlan, b: ShardingPlan, summary: dict[str, Any]) -> Table:
+    from cpdpkit.planner import format_bytes
+
     base = summary["baseline"]
     table = Table(title="plan vs FSDP2 default (per rank, per step)")
     for col in ("", "plan", "FSDP2 default", "change"):
@@ -145,11 +160,13 @@ def _compare_table(p: ShardingPlan, b: ShardingPlan, summary: dict[str, Any]) ->
     row("imbalance max/mean", ratio(summary), ratio(base), lambda v: f"{v:.4f}")
     pct = lambda s: f"{s['padding_bytes'] / s['model_bytes'] * 100:.3f} %"  # noqa: E731
     table.add_row("padding", f"{format_bytes(summary['padding_bytes'])} ({pct(summary)})",
-                  f"{format_bytes(base['padding_bytes'])} ({pct(base)})", _change(summary["padding_bytes"], base["padding_bytes"]))
+                  f"{format_bytes(base['padding_bytes'])} ({pct(base)})",
+                  _change(summary["padding_bytes"], base["padding_bytes"]))
     for tier in p.topology.tier_names:
         row(f"{tier} bytes sent", summary["tier_bytes_per_step"][tier], base["tier_bytes_per_step"][tier])
         row(f"{tier} time", _tier_time(p, tier), _tier_time(b, tier), lambda v: f"{v:.4f} s")
-    row("predicted comm time", summary["predicted_comm_s_per_step"], base["predicted_comm_s_per_step"], lambda v: f"{v:.4f} s")
+    row("predicted comm time", summary["predicted_comm_s_per_step"], base["predicted_comm_s_per_step"],
+        lambda v: f"{v:.4f} s")
     row("peak memory", summary["peak_memory_bytes"], base["peak_memory_bytes"])
     if p.state_sharding.axis is not None:
         row("peak memory, FSDP2 alone", summary["fsdp2_peak_memory_bytes"], base["peak_memory_bytes"])
@@ -172,6 +189,8 @@ def _tier_time(p: ShardingPlan, tier: str) -> float:
 
 
 def _comm_table(p: ShardingPlan) -> Table:
+    from cpdpkit.planner import format_bytes
+
     table = Table(title="the plan's collectives per step (alpha-beta model of the topology)")
     for col in ("phase", "op", "axis", "tier", "ranks", "collectives", "bytes sent", "time"):
         table.add_column(col, justify="left" if col in ("phase", "op", "axis", "tier") else "right")
@@ -202,6 +221,8 @@ def _ms(seconds: float) -> str:
 
 
 def _schedule_table(sched: TwoStageSchedule) -> Table:
+    from cpdpkit.planner import format_bytes
+
     table = Table(title=f"two-stage exchange schedule on the {sched.tier} link "
                         "(times in ms from the start of backward)")
     for col in ("unit", "bytes", "tier", "ready", "deadline", "start", "end", "stage", "order", "forward waits"):

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import orjson
 import typer
 from rich.markup import escape
 from rich.table import Table
 
 from cpdpkit.cli.app import EXIT_USER_ERROR, app, err_console, out_console
 from cpdpkit.errors import ConfigError
-from cpdpkit.profiler import OverlapReport, RunReport, StepReport, analyze
+
+if TYPE_CHECKING:  # cpdpkit.profiler (numpy) loads when the command runs, not for every `cpdpkit --help`
+    from cpdpkit.profiler import OverlapReport, RunReport, StepReport
 
 __all__ = ["profile", "render_summary_table", "render_step_table", "write_plot", "pick_baseline"]
 
@@ -133,6 +135,8 @@ def write_plot(report: OverlapReport, path: Path) -> None:
 
 
 def _write_json(report: OverlapReport, path: Path, per_step: bool) -> None:
+    import orjson
+
     data = orjson.dumps(report.to_dict(per_step=per_step), option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
     try:
         path.write_bytes(data + b"\n")
@@ -151,6 +155,8 @@ def profile(
     plot: Path | None = typer.Option(None, "--plot", help="Draw exposed vs hidden per run to this PNG."),
 ) -> None:
     """Exposed vs hidden communication per run, from PyTorch profiler traces."""
+    from cpdpkit.profiler import analyze
+
     report = analyze(run_dirs)
     if report.runs:
         base = pick_baseline(report, baseline)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
-from typing import Optional
+from typing import TYPE_CHECKING
 
 import typer
 from rich.table import Table
 
 from cpdpkit.cli.app import app, out_console
-from cpdpkit.topology import COLLECTIVE_OPS, Topology, format_ranks, resolve_topology
+
+if TYPE_CHECKING:  # cpdpkit.topology loads when the command runs, not for every `cpdpkit --help`
+    from cpdpkit.topology import Topology
 
 __all__ = ["topology_app", "render_topology"]
 
@@ -31,6 +33,8 @@ def _fmt_bandwidth(bandwidth_bytes_per_s: float) -> str:
 
 def render_topology(topo: Topology) -> list[Table]:
     """Rich tables: tiers with the levels that use them, and (when placed) sample collective costs."""
+    from cpdpkit.topology import COLLECTIVE_OPS, format_ranks
+
     levels = {"intra_node_tier": "same node", "inter_node_tier": "same site", "inter_site_tier": "between sites"}
     tiers = Table(title=f"topology {topo.name}: {topo._shape()}", title_justify="left")
     for col in ("tier", "latency (one way)", "bandwidth", "links", "jitter"):
@@ -57,11 +61,13 @@ def render_topology(topo: Topology) -> list[Table]:
 @topology_app.command("show")
 def show(
     spec: str = typer.Argument(..., metavar="NAME|FILE", help="Preset (lan, wan, cluster) or a topology .toml file."),
-    world_size: Optional[int] = typer.Option(None, "--world-size", "-n", help="Place it on this many ranks."),
-    ranks_per_node: Optional[int] = typer.Option(None, "--ranks-per-node", help="Override ranks per node."),
+    world_size: int | None = typer.Option(None, "--world-size", "-n", help="Place it on this many ranks."),
+    ranks_per_node: int | None = typer.Option(None, "--ranks-per-node", help="Override ranks per node."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
 ) -> None:
     """Show a topology's tiers, placement and modeled collective times."""
+    from cpdpkit.topology import resolve_topology
+
     topo = resolve_topology(spec, world_size=world_size, ranks_per_node=ranks_per_node)
     if as_json:
         out_console.print_json(json.dumps(topo.to_dict()))

@@ -1,27 +1,16 @@
 """The one environment variable of the emulator: ``CPDPKIT_TOPOLOGY``.
 
 ``cpdpkit launch --topology NAME|FILE`` sets it for the ranks torchrun starts;
-:func:`cpdpkit.init_distributed` reads it here (and nowhere else) to decide whether to emulate.
-Its value is a preset name (``lan``, ``wan``, ``cluster``) or a path to a topology TOML file.
-Unset or empty means: no emulation.
+:func:`cpdpkit.init_distributed` reads it (through :func:`topology_from_env`) to decide whether
+to emulate. Its value is a preset name (``lan``, ``wan``, ``cluster``) or a path to a topology
+TOML file. Unset or empty means: no emulation.
+
+Both names are defined in the torch-free :mod:`cpdpkit._env` (importing this module runs
+:mod:`cpdpkit.emulator`'s ``__init__``, which imports torch) and re-exported here.
 """
 
 from __future__ import annotations
 
-import os
-from typing import Mapping
-
-from cpdpkit.topology import Topology, resolve_topology
+from cpdpkit._env import TOPOLOGY_ENV, topology_from_env
 
 __all__ = ["TOPOLOGY_ENV", "topology_from_env"]
-
-TOPOLOGY_ENV = "CPDPKIT_TOPOLOGY"
-
-
-def topology_from_env(environ: Mapping[str, str] | None = None, *, world_size: int | None = None) -> Topology | None:
-    """The topology named by ``CPDPKIT_TOPOLOGY`` (placed on ``world_size`` if given), or ``None``."""
-    env = os.environ if environ is None else environ
-    spec = env.get(TOPOLOGY_ENV, "").strip()
-    if not spec:
-        return None
-    return resolve_topology(spec, world_size=world_size)
