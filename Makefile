@@ -1,4 +1,4 @@
-# cpdpkit: make setup | make run | make test | make bench
+# cpdpkit: make setup | make run | make test | make bench | make lint | make docs | make fixtures
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test lint bench docs fixtures clean
 
 setup: $(STAMP)
 
@@ -28,11 +28,25 @@ run: setup
 	mkdir -p runs
 	$(VENV)/bin/cpdpkit bench --json runs/bench.json --plot runs/bench.png
 
-test: setup
+# ruff, then the import layering (tools/check_layers.py), then the tests
+test: lint
 	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(PY) tools/check_layers.py
+	$(PY) tools/docs_cli.py --check
 
 bench: $(BENCH_STAMP)
 	$(PY) benchmarks/run_all.py
+
+# docs/cli.md from the commands' --help (docs/results.md tables: python tools/docs_tables.py runs/*.json)
+docs: setup
+	$(PY) tools/docs_cli.py
+
+# tests/data/hta/ from ../shared/traces (committed; the tests never read ../shared)
+fixtures: setup
+	$(PY) tools/build_fixtures.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -20,8 +20,8 @@ Torch-free and dependency-free: the profiler imports it where no torch is instal
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 __all__ = [
     "PREFIX",

@@ -41,13 +41,14 @@ from __future__ import annotations
 
 import math
 import tomllib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from cpdpkit.errors import TopologyError
 from cpdpkit.labels import format_ranks
-from cpdpkit.network import COLLECTIVE_OPS, CollectiveCost, NetworkGroup, Tier, check_number
+from cpdpkit.network import COLLECTIVE_OPS, CollectiveCost, NetworkGroup, Tier
 
 __all__ = [
     "Tier",

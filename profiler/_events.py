@@ -17,7 +17,7 @@ JSON raises ``ValueError``, as the streaming reader expects.
 from __future__ import annotations
 
 from array import array
-from typing import Annotated, Any, Union
+from typing import Annotated, Any
 
 import msgspec
 import orjson
@@ -43,13 +43,13 @@ class Event(msgspec.Struct, gc=False):
     """One trace event, reduced to the fields the profiler reads."""
 
     ph: str
-    name: Union[str, None] = None
-    ts: Union[float, None] = None
-    dur: Union[Annotated[float, msgspec.Meta(ge=0)], None] = None
-    pid: Union[_Int, str, None] = None
-    tid: Union[_Int, str, None] = None
-    cat: Union[str, None] = None
-    args: Union[Args, None] = None
+    name: str | None = None
+    ts: float | None = None
+    dur: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    pid: _Int | str | None = None
+    tid: _Int | str | None = None
+    cat: str | None = None
+    args: Args | None = None
 
 
 _NO_ARGS = Args()

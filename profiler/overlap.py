@@ -152,7 +152,8 @@ def _labels(trace: RankTrace, rows: np.ndarray, groups: Mapping[str, Mapping[str
     return pgs, tiers
 
 
-def _split(starts: np.ndarray, ends: np.ndarray, compute: iv.Intervals) -> tuple[iv.Intervals, iv.Intervals, iv.Intervals]:
+def _split(starts: np.ndarray, ends: np.ndarray,
+           compute: iv.Intervals) -> tuple[iv.Intervals, iv.Intervals, iv.Intervals]:
     comm = iv.merge(starts, ends)
     return comm, iv.subtract(comm, compute), iv.intersect(comm, compute)
 
@@ -161,7 +162,8 @@ def _totals(comm: iv.Intervals, exposed: iv.Intervals, hidden: iv.Intervals) -> 
     return CommTotals(iv.total_us(comm), iv.total_us(exposed), iv.total_us(hidden))
 
 
-def _grouped(labels: Iterable[Any], starts: np.ndarray, ends: np.ndarray, compute: iv.Intervals) -> dict[str, CommTotals]:
+def _grouped(labels: Iterable[Any], starts: np.ndarray, ends: np.ndarray,
+             compute: iv.Intervals) -> dict[str, CommTotals]:
     labels = np.asarray(list(labels), dtype=object)
     out: dict[str, CommTotals] = {}
     for label in sorted({x for x in labels.tolist() if x is not None}):

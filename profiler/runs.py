@@ -90,7 +90,8 @@ def expand_paths(paths: Iterable[str | os.PathLike[str]]) -> tuple[list[tuple[st
     return runs, issues
 
 
-def analyze_run(run_path: str, files: Sequence[str], *, name: str | None = None) -> tuple[RunReport | None, list[TraceIssue]]:
+def analyze_run(run_path: str, files: Sequence[str], *,
+                name: str | None = None) -> tuple[RunReport | None, list[TraceIssue]]:
     """Analyse one run's rank files; a run whose every file fails is ``None``."""
     issues: list[TraceIssue] = []
     folder = run_path if os.path.isdir(run_path) else os.path.dirname(run_path) or "."

@@ -27,13 +27,13 @@ from typing import Any
 
 import numpy as np
 
+from cpdpkit.profiler._events import EventBatch, decode_batch
 from cpdpkit.profiler._reader import (
     DEFAULT_CHUNK_BYTES,
     StreamingNotPossible,
     read_events,
     read_events_whole,
 )
-from cpdpkit.profiler._events import EventBatch, decode_batch
 from cpdpkit.profiler.classify import NameClass, canonical_kind, classify_name
 from cpdpkit.profiler.errors import TraceFileError
 

@@ -64,6 +64,7 @@ def test_preset_parameter_counts_match_the_public_models():
 
 def test_model_spec_from_a_meta_module():
     import torch
+
     from _planner_jobs import Net
 
     with torch.device("meta"):
@@ -240,7 +241,8 @@ def test_shard_size_and_int_reshard_must_fit_the_topology():
 # ---- scale ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("world_size", [64, 256, 1024])
 def test_llama70b_scales_to_1024_ranks(world_size):
-    plan = plan_sharding("llama-70b", "cluster", world_size=world_size, config=PlannerConfig(memory_budget_bytes=80 * GIB))
+    plan = plan_sharding("llama-70b", "cluster", world_size=world_size,
+                         config=PlannerConfig(memory_budget_bytes=80 * GIB))
     s = plan.summary()
     assert len(plan.rank_bytes.param_bytes) == world_size
     assert s["max_rank_bytes"] / s["mean_rank_bytes"] <= 1.01

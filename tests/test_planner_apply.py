@@ -70,7 +70,8 @@ def test_apply_plan_matches_fsdp2_over_the_emulated_backend(tmp_path):
     hpz = _plan("lan", 4, reshard_after_forward=2)  # int reshard keeps Shard(0) (FSDP2 limitation)
     assert {u.reshard_after_forward for u in hpz.units if not u.is_root} == {2}
     assert all(p.dim == 0 for p in hpz.placements if not p.fqn.startswith(("embed", "head", "out")))
-    results = jobs.spawn(4, tmp_path, [{"name": "hsdp", "plan": hsdp.to_dict()}, {"name": "hpz", "plan": hpz.to_dict()}],
+    results = jobs.spawn(4, tmp_path,
+                         [{"name": "hsdp", "plan": hsdp.to_dict()}, {"name": "hpz", "plan": hpz.to_dict()}],
                          emulated=True)
     assert results[0]["backend"] == "emu" and results[0]["op_counts"].get("all_gather", 0) > 0
     _check(results, {"hsdp": {"mesh": (2, 2), "warns": hsdp.state_sharding.axis is not None},

@@ -54,20 +54,25 @@ def test_truncated_json(tmp_path: Path) -> None:
 
 
 def test_json_without_trace_events(tmp_path: Path) -> None:
-    assert _error_of(write_trace(tmp_path / "a.json", {"a": 1})) == "JSON has no 'traceEvents' (not a Chrome/Kineto trace)"
+    assert _error_of(write_trace(tmp_path / "a.json", {"a": 1})) == (
+        "JSON has no 'traceEvents' (not a Chrome/Kineto trace)")
     assert _error_of(write_trace(tmp_path / "b.json", [1, 2])) == (
         "JSON top level is a list, expected an object with 'traceEvents'")
-    assert _error_of(write_trace(tmp_path / "c.json", {"traceEvents": 3})) == "'traceEvents' is a number, expected a list"
+    assert _error_of(write_trace(tmp_path / "c.json", {"traceEvents": 3})) == (
+        "'traceEvents' is a number, expected a list")
 
 
 @pytest.mark.parametrize(
     "event,problem",
     [
-        ({"ph": "X", "name": "aten::mm", "pid": 1, "tid": 1, "dur": 5}, "traceEvents[1] ('aten::mm'): field 'ts' is missing"),
+        ({"ph": "X", "name": "aten::mm", "pid": 1, "tid": 1, "dur": 5},
+         "traceEvents[1] ('aten::mm'): field 'ts' is missing"),
         ({"ph": "X", "name": "aten::mm", "pid": 1, "tid": 1, "ts": "3", "dur": 5},
          "traceEvents[1] ('aten::mm'): field 'ts' is str, expected a number"),
-        ({"ph": "X", "name": 7, "pid": 1, "tid": 1, "ts": 3, "dur": 5}, "traceEvents[1]: field 'name' is int, expected a string"),
-        ({"ph": "X", "name": "a", "pid": 1, "tid": 1, "ts": 3, "dur": -5}, "traceEvents[1] ('a'): field 'dur' is negative (-5)"),
+        ({"ph": "X", "name": 7, "pid": 1, "tid": 1, "ts": 3, "dur": 5},
+         "traceEvents[1]: field 'name' is int, expected a string"),
+        ({"ph": "X", "name": "a", "pid": 1, "tid": 1, "ts": 3, "dur": -5},
+         "traceEvents[1] ('a'): field 'dur' is negative (-5)"),
         ({"ph": "X", "name": "a", "pid": 1, "tid": [1], "ts": 3, "dur": 5},
          "traceEvents[1] ('a'): field 'tid' is list, expected an integer or a string"),
         ({"ph": "X", "name": "a", "pid": 1, "tid": 1, "ts": 3, "dur": 5, "args": []},

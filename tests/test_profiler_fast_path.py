@@ -8,15 +8,14 @@ import numpy as np
 import orjson
 import pytest
 
-from _trace_builder import (GLOO, annotation, cpu_scenario, kernel, launch, step, thread_name,
-                            trace_doc, write_trace)
+from _trace_builder import GLOO, annotation, cpu_scenario, kernel, launch, step, thread_name, trace_doc, write_trace
 from cpdpkit.profiler import analyze_trace, load_trace
 from cpdpkit.profiler import trace as trace_mod
 from cpdpkit.profiler._events import EventBatch, decode_batch
 
 pytestmark = pytest.mark.timeout(60)
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+HTA_TRACES = Path(__file__).resolve().parent / "data" / "hta"  # tools/build_fixtures.py
 COLUMNS = ("start_us", "end_us", "name_id", "cat_id", "thread_id", "stream", "correlation")
 FIELDS = ("path", "rank", "meta", "origin_us", "names", "name_classes", "cats", "threads", "thread_names",
           "comm_kind", "pg_name")
@@ -48,13 +47,16 @@ def _assert_same(a, b) -> None:  # type: ignore[no-untyped-def]
     assert analyze_trace(a).to_dict() == analyze_trace(b).to_dict()
 
 
-def _shared_files() -> list[Path]:
-    return sorted(SHARED.glob("*/*.json.gz")) if SHARED.is_dir() else []
+REAL_TRACES = sorted(HTA_TRACES.glob("*/*.json.gz"))
 
 
-@pytest.mark.parametrize("path", _shared_files(), ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_real_traces_are_in_the_repo() -> None:
+    assert len(REAL_TRACES) == 3, REAL_TRACES  # a parametrized test over nothing would pass silently
+
+
+@pytest.mark.parametrize("path", REAL_TRACES, ids=lambda p: f"{p.parent.name}/{p.name}")
 @pytest.mark.parametrize("chunk", [64 << 10, 4096])
-def test_shared_traces_identical(path: Path, chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_real_traces_identical(path: Path, chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
     fast, checked, kinds = _load_both(path, monkeypatch, chunk_bytes=chunk)
     assert kinds and set(kinds) == {"fast"}  # real traces never need the fallback
     _assert_same(fast, checked)

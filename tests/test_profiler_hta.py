@@ -1,4 +1,9 @@
-"""Agreement with Holistic Trace Analysis on public NCCL traces, and torch-freedom."""
+"""Agreement with Holistic Trace Analysis on public NCCL traces, and torch-freedom.
+
+The traces are fixtures in the repository (``tests/data/hta/``, built by
+``tools/build_fixtures.py`` from HTA's MIT-licensed test data), so these tests run on a fresh
+clone and never skip.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from cpdpkit.profiler import analyze, load_trace, analyze_trace
+from cpdpkit.profiler import analyze, analyze_trace, load_trace
 
 pytestmark = pytest.mark.timeout(60)
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
-# HTA 0.5.0 figures from shared/traces/README.md: overlap %, and temporal-breakdown compute us
+HTA_DATA = Path(__file__).resolve().parent / "data" / "hta"
+# HTA 0.5.0 figures from tests/data/hta/README.md: overlap %, and temporal-breakdown compute us
 HTA = {
     ("nccl_2rank", 0): (14.31, 75169),
     ("sampled_128rank", 0): (11.81, 106252),
@@ -21,15 +26,15 @@ HTA = {
 }
 
 
-def _need_shared() -> None:
-    if not SHARED.is_dir():
-        pytest.skip(f"shared traces folder {SHARED} is absent (CI keeps a copy of shared/ beside the checkout)")
+def test_fixtures_are_present() -> None:
+    missing = [f"{folder}/rank-{rank}.json.gz" for folder, rank in HTA
+               if not (HTA_DATA / folder / f"rank-{rank}.json.gz").is_file()]
+    assert not missing, f"missing fixtures {missing} in {HTA_DATA}: run python tools/build_fixtures.py"
 
 
 @pytest.mark.parametrize("folder,rank", sorted(HTA))
 def test_overlap_matches_hta(folder: str, rank: int) -> None:
-    _need_shared()
-    report = analyze([SHARED / folder])
+    report = analyze([HTA_DATA / folder])
     (run,) = report.runs
     got = {r.rank: r for r in run.ranks}[rank]
     want_pct, want_compute = HTA[(folder, rank)]
@@ -40,8 +45,7 @@ def test_overlap_matches_hta(folder: str, rank: int) -> None:
 
 
 def test_gpu_kinds_and_process_group() -> None:
-    _need_shared()
-    r = analyze_trace(load_trace(SHARED / "nccl_2rank" / "rank-0.json.gz"))
+    r = analyze_trace(load_trace(HTA_DATA / "nccl_2rank" / "rank-0.json.gz"))
     assert set(r.by_kind) == {"all_reduce", "broadcast"}
     assert r.by_process_group["0"].comm_us == pytest.approx(r.comm_us)
     assert r.process_groups["0"]["desc"] == "default_pg"
@@ -49,8 +53,7 @@ def test_gpu_kinds_and_process_group() -> None:
 
 
 def test_small_chunks_give_identical_results() -> None:
-    _need_shared()
-    path = SHARED / "nccl_2rank" / "rank-0.json.gz"
+    path = HTA_DATA / "nccl_2rank" / "rank-0.json.gz"
     whole, chunked = load_trace(path), load_trace(path, chunk_bytes=4096)
     assert whole.num_events == chunked.num_events
     assert (whole.start_us == chunked.start_us).all() and whole.names == chunked.names

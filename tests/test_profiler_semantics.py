@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from _trace_builder import (GLOO, annotation, cpu_op, cpu_scenario, kernel, launch, step, trace_doc,
-                            write_trace)
+from _trace_builder import GLOO, annotation, cpu_op, cpu_scenario, kernel, launch, step, trace_doc, write_trace
 from cpdpkit.profiler import analyze, analyze_trace, canonical_kind, load_trace
 from cpdpkit.profiler.classify import parse_emu_label
 
@@ -87,9 +86,11 @@ def test_emu_label_parsing() -> None:
 
 @pytest.mark.parametrize("text,kind", [
     ("c10d::allreduce_", "all_reduce"), ("gloo:all_gather", "all_gather"), ("_allgather_base_", "all_gather"),
-    ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", "reduce_scatter"), ("reduce_scatter_tensor_coalesced_", "reduce_scatter"),
+    ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", "reduce_scatter"),
+    ("reduce_scatter_tensor_coalesced_", "reduce_scatter"),
     ("ncclKernel_Broadcast_RING_LL_Sum_int8_t", "broadcast"), ("barrier", "barrier"), ("alltoall_base_", "all_to_all"),
-    ("all_to_allv", "all_to_all"), ("ncclKernel_SendRecv_RING", "send_recv"), ("recv_", "send_recv"), ("gather_", "other"),
+    ("all_to_allv", "all_to_all"), ("ncclKernel_SendRecv_RING", "send_recv"), ("recv_", "send_recv"),
+    ("gather_", "other"),
 ])
 def test_canonical_kinds(text: str, kind: str) -> None:
     assert canonical_kind(text) == kind

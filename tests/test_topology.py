@@ -43,7 +43,8 @@ def test_wan_with_four_ranks_has_lan_inside_a_site() -> None:
     assert wan.tier_of([3]) is None
 
 
-@pytest.mark.parametrize(("world", "ranks_per_node", "num_nodes"), [(2, 2, 1), (3, 3, 1), (4, 2, 2), (8, 4, 2), (16, 8, 2), (1024, 8, 128), (6, 2, 3)])
+@pytest.mark.parametrize(("world", "ranks_per_node", "num_nodes"),
+                         [(2, 2, 1), (3, 3, 1), (4, 2, 2), (8, 4, 2), (16, 8, 2), (1024, 8, 128), (6, 2, 3)])
 def test_cluster_placement_rule(world: int, ranks_per_node: int, num_nodes: int) -> None:
     topo = preset("cluster", world_size=world)
     assert (topo.ranks_per_node, topo.nodes_per_site, topo.num_sites) == (ranks_per_node, num_nodes, 1)
@@ -169,14 +170,17 @@ ERRORS = [
      "topology 'wan' needs a world size divisible by 2 (2 site(s) x 1 node(s) x ? rank(s)); got 3; "
      "run a multiple of 2 ranks or use a TOML file"),
     (lambda: preset("cluster", world_size=11),
-     "preset 'cluster' cannot choose ranks_per_node for world size 11; pass ranks_per_node (--ranks-per-node) or use a TOML file"),
+     "preset 'cluster' cannot choose ranks_per_node for world size 11; "
+     "pass ranks_per_node (--ranks-per-node) or use a TOML file"),
     (lambda: preset("lan", world_size=0), "world_size = 0 is invalid; set it to a whole number >= 1"),
     (lambda: preset("wan", world_size=2).place(4),
      "topology 'wan' places 2 ranks (2 site(s) x 1 node(s) x 1 rank(s)) but the world size is 4; "
      "change its placement or run 2 ranks"),
     (lambda: preset("wan").tier_of([0, 1]),
-     "topology 'wan' is not placed yet (2 site(s) x 1 node(s) x ? rank(s)); call place(world_size) or pass --world-size"),
-    (lambda: preset("wan", world_size=2).tier_between(0, 5), "rank 5 is outside topology 'wan' (world size 2); use 0..1"),
+     "topology 'wan' is not placed yet (2 site(s) x 1 node(s) x ? rank(s)); "
+     "call place(world_size) or pass --world-size"),
+    (lambda: preset("wan", world_size=2).tier_between(0, 5),
+     "rank 5 is outside topology 'wan' (world size 2); use 0..1"),
     (lambda: preset("wan", world_size=2).collective_time_s("gossip", 1, [0, 1]),
      "op = 'gossip' is not a modeled collective; use one of all_reduce, all_gather, reduce_scatter, broadcast, "
      "barrier, all_to_all, send_recv"),
@@ -201,7 +205,8 @@ ERRORS = [
     (_bad_base("ranks_per_node = 2", "ranks_per_node = 2\nnum_sites = 2"),
      "topology 't': inter_site_tier is unset but num_sites = 2; name the tier between sites or set num_sites = 1"),
     (_bad_base("ranks_per_node = 2", "nodes_per_site = 2"),
-     "topology 't': inter_node_tier is unset but nodes_per_site = 2; name the tier between nodes or set nodes_per_site = 1"),
+     "topology 't': inter_node_tier is unset but nodes_per_site = 2; "
+     "name the tier between nodes or set nodes_per_site = 1"),
     (lambda: parse_topology_toml(BASE + "\nspeed = 3\n", source="t.toml"),
      "t.toml [tiers.LAN]: unknown key 'speed'; use one of bandwidth_bytes_per_s, jitter_frac, latency_s"),
     (lambda: parse_topology_toml("name = 'x'\nsites = 2\n", source="t.toml"),

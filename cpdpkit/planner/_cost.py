@@ -15,9 +15,9 @@ from functools import lru_cache
 
 import numpy as np
 
+from cpdpkit.network import NetworkGroup
 from cpdpkit.planner.config import PlannerConfig, ceil_div
 from cpdpkit.planner.plan import CommPhase, RankBytes
-from cpdpkit.network import NetworkGroup
 from cpdpkit.topology import Topology
 
 __all__ = ["Layout", "shard_layout", "UnitGeom", "CostModel", "Candidate", "Evaluation"]

@@ -7,8 +7,9 @@ Torch-free: dtypes are names mapped to byte sizes, so a plan for 1,024 ranks nee
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Mapping, TypeVar
+from typing import Any, TypeVar
 
 from cpdpkit.errors import ConfigError
 

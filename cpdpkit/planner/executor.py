@@ -66,7 +66,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import importlib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from cpdpkit.planner.config import PlannerError, Record
 
@@ -96,7 +97,8 @@ class ModelSpec:
         from torch import nn
 
         if not isinstance(module, nn.Module):
-            raise PlannerError(f"model {module!r} is not a torch.nn.Module; pass a module, a preset name or module:factory")
+            raise PlannerError(f"model {module!r} is not a torch.nn.Module; "
+                               "pass a module, a preset name or module:factory")
         block_fqns: list[tuple[str, str]] = []
         _collect_blocks(module, "", block_fqns, inside_container=False)
         if not block_fqns:  # no container: the root's children with parameters

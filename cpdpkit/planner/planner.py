@@ -134,7 +134,8 @@ def _build_units(spec: ModelSpec, groups: list[list[int]], shard_size: int, *, b
             real += layout.real_by_position
             padded += layout.padded_numel
             numel += p.numel
-            placements.append(ParamPlacement(fqn=p.fqn, shape=p.shape, dim=layout.dim, padded_numel=layout.padded_numel))
+            placements.append(ParamPlacement(fqn=p.fqn, shape=p.shape, dim=layout.dim,
+                                             padded_numel=layout.padded_numel))
         units.append(UnitPlan(name=name, module_fqns=fqns, param_fqns=tuple(spec.params[i].fqn for i in idx),
                               numel=numel, padded_numel=padded, reshard_after_forward=unit_raf))
         geoms.append(UnitGeom(padded_numel=padded, real_by_position=real,

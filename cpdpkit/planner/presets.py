@@ -19,7 +19,8 @@ are visible.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from cpdpkit.planner.config import PlannerError
 from cpdpkit.planner.model_spec import ROOT, BlockSpec, ModelSpec, ParamSpec
@@ -135,7 +136,8 @@ MODEL_PRESETS: dict[str, Callable[[], ModelSpec]] = {
 def model_preset(name: str) -> ModelSpec:
     """The :class:`ModelSpec` of preset ``name`` (see :data:`MODEL_PRESETS`)."""
     if name not in MODEL_PRESETS:
-        raise PlannerError(f"unknown model preset {name!r}; use one of {', '.join(MODEL_PRESETS)} or 'package.module:factory'")
+        raise PlannerError(f"unknown model preset {name!r}; use one of {', '.join(MODEL_PRESETS)} "
+                           "or 'package.module:factory'")
     return MODEL_PRESETS[name]()
 
 

@@ -54,7 +54,7 @@ The records (:class:`~cpdpkit.planner.timeline.TwoStageSchedule` and its parts) 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from cpdpkit.planner.config import PlannerError
 from cpdpkit.planner.plan import ShardingPlan

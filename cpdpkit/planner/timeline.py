@@ -10,8 +10,9 @@ the algorithm that fills these in.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from cpdpkit.planner.config import PlannerError, Record
 

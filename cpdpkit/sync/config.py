@@ -30,7 +30,7 @@ BUFFER_POLICIES = ("average", "broadcast", "local")
 STATE_POLICIES = ("keep", "average", "reset")
 
 
-class StepKind(str, enum.Enum):
+class StepKind(enum.StrEnum):
     """What one optimizer step does to communicate."""
 
     DDP = "ddp"  # gradient all-reduce every step (strategy "ddp")
