@@ -1,12 +1,17 @@
 """Modeled vs measured time of emulated collectives over message sizes and ops (prints JSON).
 
-    .venv/bin/python benchmarks/emulator_sweep.py [--world-size 2] [--topology wan] [--repeats 5]
+    .venv/bin/python benchmarks/emulator_sweep.py [--world-size 2] [--topology wan,wan-variable] [--repeats 5]
 
-Each rank issues every (op, size) ``--repeats`` times after a barrier on a plain gloo group and
-reports the median; the emulated time is max(modeled, gloo's own time), so small modeled times
-on a fast tier show gloo's floor. Each row also shows the network model's algorithm and wire
-bytes per rank beside the bytes the emulator counted for the warm-up call (``meter()``); they
-agree by construction. Not a test: it prints numbers, it asserts nothing.
+One case per topology (each its own spawned job). Each rank issues every (op, size) ``--repeats``
+times after a barrier on a plain gloo group. Each timed call is compared with the modeled time
+of *its own draw* (what ``meter().modeled_s_by_tier`` says the emulator booked for it): on a
+tier without jitter that is the model's mean ``time_s``; on ``wan-variable`` every call samples
+its own latency and transfer factors, so the draws spread and the measured times should follow
+them call by call. A row reports the model's mean, the draws' and the measured times' range,
+the median and worst per-call measured/draw ratio; the emulated time is max(draw, gloo's own
+time), so small modeled times on a fast tier show gloo's floor. Each row also shows the network
+model's algorithm and wire bytes per rank beside the bytes the emulator counted for the warm-up
+call; they agree by construction. Not a test: it prints numbers, it asserts nothing.
 """
 
 from __future__ import annotations
@@ -29,21 +34,32 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", 
 SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
 
 
-def _issue(op: str, n: int, world: int) -> Callable[[], Any]:
+def _issue(op: str, n: int, world: int, group: Any = None) -> Callable[[], Any]:
     """The call that runs ``op`` once on ``n`` float32 elements (``n`` a multiple of ``world``)."""
     x = torch.ones(n)
     out = torch.empty(n)
     if op == "all_reduce":
-        return lambda: dist.all_reduce(x)
+        return lambda: dist.all_reduce(x, group=group)
     if op == "all_gather":
-        return lambda: dist.all_gather_into_tensor(out, x[: n // world])
+        return lambda: dist.all_gather_into_tensor(out, x[: n // world], group=group)
     if op == "reduce_scatter":
-        return lambda: dist.reduce_scatter_tensor(out[: n // world], x)
+        return lambda: dist.reduce_scatter_tensor(out[: n // world], x, group=group)
     if op == "broadcast":
-        return lambda: dist.broadcast(x, src=0)
+        return lambda: dist.broadcast(x, src=0, group=group)
     if op == "all_to_all":
-        return lambda: dist.all_to_all_single(out, x)
-    return lambda: dist.barrier()
+        return lambda: dist.all_to_all_single(out, x, group=group)
+    return lambda: dist.barrier(group=group)
+
+
+def _gloo_s(fn: Callable[[], Any], gloo: Any, repeats: int) -> float:
+    """Fastest seconds of ``fn`` (the same op on the plain gloo group): the emulator's floor."""
+    times = []
+    for _ in range(repeats):
+        dist.barrier(gloo)
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
 
 
 def _worker(rank: int, world: int, store: str, topology: str, repeats: int, out: str) -> None:
@@ -61,51 +77,98 @@ def _worker(rank: int, world: int, store: str, topology: str, repeats: int, out:
             real_bytes = 4 * n if op != "barrier" else 0
             with meter() as m:
                 fn()  # warm-up
-            times = []
+            calls = []  # (measured s, modeled s of this call's own draw)
             for _ in range(repeats):
                 dist.barrier(gloo)
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
+                with meter() as one:
+                    t0 = time.perf_counter()
+                    fn()
+                    measured_s = time.perf_counter() - t0
+                calls.append((measured_s, sum(one.modeled_s_by_tier.values())))
             cost = info.topology.group(range(world)).cost(op, real_bytes)
-            rows.append({"op": op, "bytes": real_bytes, "algorithm": cost.algorithm,
-                         "modeled_ms": round(cost.time_s * 1e3, 3),
-                         "measured_ms": round(statistics.median(times) * 1e3, 3),
-                         "wire_bytes": cost.wire_bytes, "counted_wire_bytes": sum(m.bytes_by_tier.values())})
+            gloo_s = _gloo_s(_issue(op, n, world, gloo), gloo, repeats)
+            rows.append(_row(op, real_bytes, cost, calls, gloo_s, sum(m.bytes_by_tier.values())))
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
     dist.barrier(gloo)
     dist.destroy_process_group()
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--topology", default="wan")
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args(argv)
+def _row(op: str, num_bytes: int, cost: Any, calls: list[tuple[float, float]], gloo_s: float,
+         counted_wire_bytes: int) -> dict:
+    """One (op, size): the model's mean, the draws' and the measured times' range, per-call ratios."""
+    measured = [m for m, _ in calls]
+    draws = [d for _, d in calls]
+    ratios = [m / d for m, d in calls if d > 0]
+
+    def ms(seconds: float) -> float:
+        return round(seconds * 1e3, 3)
+
+    return {"op": op, "bytes": num_bytes, "algorithm": cost.algorithm, "modeled_ms": ms(cost.time_s),
+            "draw_min_ms": ms(min(draws)), "draw_max_ms": ms(max(draws)),
+            "measured_ms": ms(statistics.median(measured)),
+            "measured_min_ms": ms(min(measured)), "measured_max_ms": ms(max(measured)),
+            "ratio": round(statistics.median(ratios), 3) if ratios else None,
+            "worst_error_pct": round(max(abs(r - 1) for r in ratios) * 100, 1) if ratios else None,
+            "calls": [[ms(m), ms(d)] for m, d in calls], "gloo_ms": ms(gloo_s),
+            "wire_bytes": cost.wire_bytes, "counted_wire_bytes": counted_wire_bytes}
+
+
+def _summary(rows: list[dict]) -> dict[str, Any]:
+    """Ratios, errors and the spread of the times, over the rows whose every draw is >= 2 ms and
+    at least twice gloo's own time (below that the emulator shows gloo's floor, not the model)."""
+    timed = [r for r in rows if r["draw_min_ms"] >= max(2.0, 2 * r["gloo_ms"])]
+    ratios = [m / d for r in timed for m, d in r["calls"]]
+    row_ratios = [r["ratio"] for r in timed]
+
+    def spread_pct(low: float, high: float, mid: float) -> float:
+        return (high - low) / mid * 100
+
+    measured_spread = [spread_pct(r["measured_min_ms"], r["measured_max_ms"], r["measured_ms"]) for r in timed]
+    draw_spread = [spread_pct(r["draw_min_ms"], r["draw_max_ms"], r["modeled_ms"]) for r in timed]
+    return {
+        "rows": len(timed),
+        "floor_bound_rows": [f"{r['op']} {r['bytes']}" for r in rows if r not in timed],
+        "median_ratio": round(statistics.median(ratios), 3) if ratios else None,
+        # each row's median measured/draw ratio, as in the summaries before per-call draws
+        "max_row_error_pct": round(max(abs(r - 1) for r in row_ratios) * 100, 1) if row_ratios else None,
+        "calls": len(ratios),
+        "calls_within_10pct": sum(abs(r - 1) <= 0.10 for r in ratios),
+        "worst_call_error_pct": round(max(abs(r - 1) for r in ratios) * 100, 1) if ratios else None,
+        # (max - min) / mid of each row's measured times, and of its draws: the model's spread
+        "median_measured_spread_pct": round(statistics.median(measured_spread), 1) if timed else None,
+        "median_draw_spread_pct": round(statistics.median(draw_spread), 1) if timed else None,
+        "wire_bytes_agree": all(r["wire_bytes"] == r["counted_wire_bytes"] for r in rows),
+    }
+
+
+def _run_case(topology: str, world_size: int, repeats: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rows.json")
         t0 = time.perf_counter()
-        mp.start_processes(_worker, args=(args.world_size, str(Path(tmp) / "store"), args.topology, args.repeats, out),
-                           nprocs=args.world_size, start_method="spawn")
+        mp.start_processes(_worker, args=(world_size, str(Path(tmp) / "store"), topology, repeats, out),
+                           nprocs=world_size, start_method="spawn")
         rows = json.loads(Path(out).read_text())
-    for row in rows:
-        row["ratio"] = round(row["measured_ms"] / row["modeled_ms"], 3) if row["modeled_ms"] else None
-    ratios = [r["ratio"] for r in rows if r["ratio"] is not None and r["modeled_ms"] >= 2.0]
+    return {"topology": topology, "wall_s": round(time.perf_counter() - t0, 1), "summary": _summary(rows),
+            "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--topology", default="wan,wan-variable",
+                        help="comma-separated presets or TOML paths, one case each")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    cases = [_run_case(spec, args.world_size, args.repeats) for spec in args.topology.split(",") if spec]
     result = {
         "benchmark": "emulator_sweep",
         "world_size": args.world_size,
-        "topology": args.topology,
         "repeats": args.repeats,
         "wall_s": round(time.perf_counter() - t0, 1),
-        "summary": {
-            "rows_with_modeled_ms_ge_2": len(ratios),
-            "median_ratio": round(statistics.median(ratios), 3) if ratios else None,
-            "max_abs_error_pct": round(max(abs(r - 1) for r in ratios) * 100, 1) if ratios else None,
-            "wire_bytes_agree": all(r["wire_bytes"] == r["counted_wire_bytes"] for r in rows),
-        },
-        "rows": rows,
+        "summary": {c["topology"]: c["summary"] for c in cases},
+        "cases": cases,
     }
     print(json.dumps(result, indent=2))
     return result

@@ -2,7 +2,7 @@
 
 ``cpdpkit launch --topology NAME|FILE`` sets it for the ranks torchrun starts;
 :func:`cpdpkit.init_distributed` reads it here (and nowhere else) to decide whether to emulate.
-Its value is a preset name (``lan``, ``wan``, ``cluster``) or a path to a topology TOML file.
+Its value is a preset name (``lan``, ``wan``, ``wan-variable``, ``cluster``) or a path to a topology TOML file.
 Unset or empty means: no emulation.
 
 It lives outside :mod:`cpdpkit.emulator` because importing any sub-module of that package first

@@ -25,7 +25,21 @@ barrier          ⌈log2 p⌉α                              0
 ===============  =====================================  ==================================
 
 *Wire bytes per rank* are the bytes on the algorithm's critical path, the ones the β term
-charges: ``time_s == steps·α + wire_bytes·β`` for every row. A single rank costs nothing.
+charges: ``time_s == steps·α + wire_bytes·β`` for every row (a :class:`CollectiveCost` keeps the
+two terms, ``latency_term_s`` and ``bandwidth_term_s``). A single rank costs nothing.
+
+Network variability. A tier may vary per collective: ``latency_jitter_frac`` (``jl``) and
+``bandwidth_jitter_frac`` (``jb``), both in [0, 1). One collective's *sampled* time, for two
+uniform draws ``u_latency``, ``u_bandwidth`` in [-1, 1] (:func:`jitter_draws`), is
+
+    sampled = steps·α·(1 + jl·u_latency) + wire_bytes·β·(1 + jb·u_bandwidth)
+
+(:func:`sampled_time_s`): the latency term varies by ±jl and the transfer term by ±jb, i.e. the
+collective sees a bandwidth between B/(1 + jb) and B/(1 - jb) whose harmonic mean is B. The
+draws are centred, so the *mean* sampled time is exactly ``time_s``: the planner and the
+schedule use ``time_s`` (the unjittered mean), the emulator a sampled time per collective, and
+over many collectives the two agree. The range is [sampled(-1, -1), sampled(+1, +1)]
+(:meth:`NetworkGroup.time_range_s`).
 
 Nothing here imports torch or needs a process group (the profiler and ``cpdpkit plan`` use it).
 """
@@ -33,10 +47,12 @@ Nothing here imports torch or needs a process group (the profiler and ``cpdpkit 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+import random
+from dataclasses import InitVar, asdict, dataclass
 from typing import Any
 
 from cpdpkit.errors import TopologyError
+from cpdpkit.labels import KINDS
 
 __all__ = [
     "COLLECTIVE_OPS",
@@ -45,17 +61,11 @@ __all__ = [
     "NetworkGroup",
     "Tier",
     "alpha_beta_cost",
+    "jitter_draws",
+    "sampled_time_s",
 ]
 
-COLLECTIVE_OPS = (
-    "all_reduce",
-    "all_gather",
-    "reduce_scatter",
-    "broadcast",
-    "barrier",
-    "all_to_all",
-    "send_recv",
-)
+COLLECTIVE_OPS = tuple(k for k in KINDS if k != "other")  # the kinds the model prices
 
 LOCAL_TIER = "LOCAL"  # the tier name of a one-rank group: no link, no cost
 
@@ -72,20 +82,36 @@ def check_number(path: str, value: Any, *, minimum: float | None = None, positiv
         raise TopologyError(f"{path} = {value!r} is invalid; set it to {need}")
 
 
+def check_fraction(path: str, value: Any, example: str) -> None:
+    """Raise :class:`TopologyError` naming ``path`` unless ``value`` is a number in [0, 1)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not (ok and 0 <= value < 1):
+        raise TopologyError(f"{path} = {value!r} is invalid; set it to a fraction in [0, 1), such as {example}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Tier:
     """One class of link: a one-way ``latency_s`` and a per-link ``bandwidth_bytes_per_s``.
 
-    ``jitter_frac`` (0 ≤ j < 1) lets the emulator stretch or shrink each modeled time by a
-    seeded uniform factor in [1 - j, 1 + j]; the cost model itself ignores it.
+    ``latency_jitter_frac`` and ``bandwidth_jitter_frac`` (each in [0, 1)) make the link vary per
+    collective: the latency term of a collective's time by ±``latency_jitter_frac``, its transfer
+    term by ±``bandwidth_jitter_frac`` (see :func:`sampled_time_s`; the mean stays the unjittered
+    time, which is all the planner uses). The emulator draws them, seeded, per collective.
+
+    ``jitter_frac`` is the old single knob (the whole time scaled by one factor in [1 - j, 1 + j]),
+    still accepted as an alias: ``jitter_frac=j`` sets both fractions to ``j``, which keeps its
+    range and its mean (the two terms now draw independently). It is not a field, and cannot be
+    combined with the new ones.
     """
 
     name: str
     latency_s: float
     bandwidth_bytes_per_s: float
-    jitter_frac: float = 0.0
+    latency_jitter_frac: float = 0.0
+    bandwidth_jitter_frac: float = 0.0
+    jitter_frac: InitVar[float | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, jitter_frac: float | None) -> None:
         if not isinstance(self.name, str) or not self.name or not self.name.isidentifier():
             raise TopologyError(
                 f"tier name {self.name!r} is invalid; use a short identifier such as 'IB' or 'WAN'"
@@ -94,12 +120,22 @@ class Tier:
             raise TopologyError(f"tier name {LOCAL_TIER!r} is reserved for one-rank groups; rename the tier")
         check_number(f"tiers.{self.name}.latency_s", self.latency_s, minimum=0.0)
         check_number(f"tiers.{self.name}.bandwidth_bytes_per_s", self.bandwidth_bytes_per_s, positive=True)
-        check_number(f"tiers.{self.name}.jitter_frac", self.jitter_frac, minimum=0.0)
-        if self.jitter_frac >= 1.0:
-            raise TopologyError(
-                f"tiers.{self.name}.jitter_frac = {self.jitter_frac!r} must be below 1 "
-                "(a fraction such as 0.05 for ±5 %)"
-            )
+        if jitter_frac is not None:
+            if self.latency_jitter_frac or self.bandwidth_jitter_frac:
+                raise TopologyError(
+                    f"tiers.{self.name}: jitter_frac = {jitter_frac!r} is the old name of latency_jitter_frac "
+                    "and bandwidth_jitter_frac; remove it and keep the new keys"
+                )
+            check_fraction(f"tiers.{self.name}.jitter_frac", jitter_frac, "0.05 for ±5 %")
+            object.__setattr__(self, "latency_jitter_frac", jitter_frac)
+            object.__setattr__(self, "bandwidth_jitter_frac", jitter_frac)
+        check_fraction(f"tiers.{self.name}.latency_jitter_frac", self.latency_jitter_frac, "0.3 for ±30 %")
+        check_fraction(f"tiers.{self.name}.bandwidth_jitter_frac", self.bandwidth_jitter_frac, "0.5 for ±50 %")
+
+    @property
+    def is_variable(self) -> bool:
+        """Whether collectives on this tier vary (either jitter fraction is set)."""
+        return bool(self.latency_jitter_frac or self.bandwidth_jitter_frac)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -107,7 +143,11 @@ class Tier:
 
 @dataclass(frozen=True, kw_only=True)
 class CollectiveCost:
-    """The modeled cost of one collective: its algorithm, seconds and wire bytes per rank."""
+    """The modeled cost of one collective: its algorithm, seconds and wire bytes per rank.
+
+    ``time_s`` (the unjittered mean) is ``latency_term_s + bandwidth_term_s``: steps·α and
+    wire_bytes·β, the two terms that :func:`sampled_time_s` varies.
+    """
 
     op: str
     num_bytes: int
@@ -116,6 +156,8 @@ class CollectiveCost:
     algorithm: str
     time_s: float
     wire_bytes: int
+    latency_term_s: float = 0.0
+    bandwidth_term_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -132,6 +174,13 @@ def alpha_beta_cost(op: str, num_bytes: int, p: int, latency_s: float,
 
     The formulas of the module table; the cheaper algorithm wins where there are two.
     """
+    algorithm, latency_term_s, wire = _alpha_beta_terms(op, num_bytes, p, latency_s, bandwidth_bytes_per_s)
+    return algorithm, latency_term_s + wire * (1.0 / bandwidth_bytes_per_s), wire
+
+
+def _alpha_beta_terms(op: str, num_bytes: int, p: int, latency_s: float,
+                      bandwidth_bytes_per_s: float) -> tuple[str, float, float]:
+    """``(algorithm, steps·α, wire bytes per rank)``: :func:`alpha_beta_cost` before summing."""
     _check_op(op)
     if p < 2:
         return "local", 0.0, 0.0
@@ -152,7 +201,33 @@ def alpha_beta_cost(op: str, num_bytes: int, p: int, latency_s: float,
         choices = [("dissemination", log_p, 0.0)]
     # the first of equal-time algorithms wins (ring before tree), as a stable sort keeps it first
     algorithm, steps, wire = min(choices, key=lambda c: c[1] * a + c[2] * beta)
-    return algorithm, steps * a + wire * beta, wire
+    return algorithm, steps * a, wire
+
+
+def jitter_draws(seed: int, key: str) -> tuple[float, float]:
+    """Two uniform draws in [-1, 1], ``(u_latency, u_bandwidth)``, fixed by ``(seed, key)``.
+
+    The same ``(seed, key)`` gives the same draws in every process: the emulator keys a
+    collective by its group's name and sequence number, so every rank of the group samples the
+    same time (a group's ranks finish together, as on one shared link).
+    """
+    rng = random.Random(f"{seed}:{key}")
+    return 2.0 * rng.random() - 1.0, 2.0 * rng.random() - 1.0
+
+
+def sampled_time_s(cost: CollectiveCost, tier: Tier | None, u_latency: float, u_bandwidth: float) -> float:
+    """The time of one collective of ``cost`` on ``tier`` for the draws ``u_latency``, ``u_bandwidth``.
+
+    ``latency_term_s·(1 + jl·u_latency) + bandwidth_term_s·(1 + jb·u_bandwidth)`` with ``jl``,
+    ``jb`` the tier's jitter fractions (module docstring). Draws must lie in [-1, 1]; a tier
+    without jitter (or ``None``, one rank) gives ``cost.time_s`` whatever the draws.
+    """
+    if not (-1.0 <= u_latency <= 1.0 and -1.0 <= u_bandwidth <= 1.0):
+        raise ValueError(f"draws ({u_latency!r}, {u_bandwidth!r}) must lie in [-1, 1]; use jitter_draws()")
+    if tier is None or not tier.is_variable:
+        return cost.time_s
+    return (cost.latency_term_s * (1.0 + tier.latency_jitter_frac * u_latency)
+            + cost.bandwidth_term_s * (1.0 + tier.bandwidth_jitter_frac * u_bandwidth))
 
 
 class NetworkGroup:
@@ -188,14 +263,27 @@ class NetworkGroup:
             p = len(self.ranks)
             if self.tier is None:
                 _check_op(op)
-                algorithm, time_s, wire = "local", 0.0, 0.0
+                algorithm, latency_term_s, bandwidth_term_s, wire = "local", 0.0, 0.0, 0.0
             else:
-                algorithm, time_s, wire = alpha_beta_cost(op, num_bytes, p, self.tier.latency_s,
-                                                          self.tier.bandwidth_bytes_per_s)
+                algorithm, latency_term_s, wire = _alpha_beta_terms(op, num_bytes, p, self.tier.latency_s,
+                                                                    self.tier.bandwidth_bytes_per_s)
+                bandwidth_term_s = wire * (1.0 / self.tier.bandwidth_bytes_per_s)  # as alpha_beta_cost, bit for bit
             cost = CollectiveCost(op=op, num_bytes=num_bytes, num_ranks=p, tier=self.tier_name,
-                                  algorithm=algorithm, time_s=time_s, wire_bytes=int(round(wire)))
+                                  algorithm=algorithm, time_s=latency_term_s + bandwidth_term_s,
+                                  wire_bytes=int(round(wire)), latency_term_s=latency_term_s,
+                                  bandwidth_term_s=bandwidth_term_s)
             self._costs[key] = cost
         return cost
+
+    def sampled_time_s(self, cost: CollectiveCost, u_latency: float, u_bandwidth: float) -> float:
+        """``cost`` (one of this group's) for one pair of draws: :func:`sampled_time_s` on this tier."""
+        return sampled_time_s(cost, self.tier, u_latency, u_bandwidth)
+
+    def time_range_s(self, op: str, num_bytes: int) -> tuple[float, float]:
+        """The shortest and longest time ``op`` of ``num_bytes`` can sample on this tier
+        (both ``time_s`` on a tier without jitter)."""
+        cost = self.cost(op, num_bytes)
+        return self.sampled_time_s(cost, -1.0, -1.0), self.sampled_time_s(cost, 1.0, 1.0)
 
     def time_s(self, op: str, num_bytes: int) -> float:
         return self.cost(op, num_bytes).time_s

@@ -17,7 +17,8 @@ A topology comes from a preset name (:func:`preset`, see :data:`PRESETS`) or a T
 (:func:`load_topology`). At most one placement count may be left open (``None``; in TOML
 ``"auto"``, and an omitted ``ranks_per_node``); :meth:`Topology.place` fills it with the world
 size divided by the other two counts (the *placement rule*). Presets: ``lan`` and ``wan`` leave
-``ranks_per_node`` open; ``cluster`` picks ``ranks_per_node`` from the world size (8, 4 or 2,
+``ranks_per_node`` open (so does ``wan-variable``, the ``wan`` link varying per collective);
+``cluster`` picks ``ranks_per_node`` from the world size (8, 4 or 2,
 whichever leaves at least two nodes; else one node of up to 8 ranks) and leaves the node count open.
 
 TOML format (what :meth:`Topology.to_toml` writes)::
@@ -34,7 +35,12 @@ TOML format (what :meth:`Topology.to_toml` writes)::
     [tiers.WAN]            # one table per tier
     latency_s = 8.3e-3
     bandwidth_bytes_per_s = 125e6
-    jitter_frac = 0.05     # optional, emulator only
+    latency_jitter_frac = 0.3     # optional: the latency term varies ±30 % per collective
+    bandwidth_jitter_frac = 0.5   # optional: the transfer term varies ±50 % per collective
+
+The two jitter keys (each in [0, 1), default 0) are described in :mod:`cpdpkit.network`; the
+emulator samples them per collective, the planner uses the unjittered mean. The old key
+``jitter_frac = j`` is still read, as both keys set to ``j`` (:class:`~cpdpkit.network.Tier`).
 """
 
 from __future__ import annotations
@@ -313,8 +319,10 @@ class Topology:
         for t in self.tiers:
             lines += ["", f"[tiers.{t.name}]", f"latency_s = {t.latency_s!r}"]
             lines.append(f"bandwidth_bytes_per_s = {t.bandwidth_bytes_per_s!r}")
-            if t.jitter_frac:
-                lines.append(f"jitter_frac = {t.jitter_frac!r}")
+            if t.latency_jitter_frac:
+                lines.append(f"latency_jitter_frac = {t.latency_jitter_frac!r}")
+            if t.bandwidth_jitter_frac:
+                lines.append(f"bandwidth_jitter_frac = {t.bandwidth_jitter_frac!r}")
         return "\n".join(lines) + "\n"
 
 
@@ -327,6 +335,8 @@ _LAN = Tier(name="LAN", latency_s=50e-6, bandwidth_bytes_per_s=1.25e9)  # 10 GbE
 _WAN = Tier(name="WAN", latency_s=8.3e-3, bandwidth_bytes_per_s=125e6)  # 16.6 ms RTT, 1 Gbit/s
 _NVLINK = Tier(name="NVLINK", latency_s=3e-6, bandwidth_bytes_per_s=300e9)  # A100 NVLink3, one direction
 _IB = Tier(name="IB", latency_s=5e-6, bandwidth_bytes_per_s=25e9)  # one HDR 200 Gbit/s NIC
+# the WAN varying per collective: see PRESETS["wan-variable"] for the two fractions
+_WAN_VARIABLE = replace(_WAN, latency_jitter_frac=0.3, bandwidth_jitter_frac=0.5)
 
 PRESETS: dict[str, str] = {
     "lan": "one node: every rank on one 10 GbE LAN (LAN: 50 us, 1.25 GB/s); any world size",
@@ -334,6 +344,12 @@ PRESETS: dict[str, str] = {
         "two sites joined by a WAN of 16.6 ms RTT (8.3 ms one way) and 1 Gbit/s, like the CPDP "
         "paper's Nancy-Sophia Grid'5000 link; each site one node of world_size/2 ranks on LAN; "
         "even world sizes"
+    ),
+    "wan-variable": (
+        "wan with a variable WAN, drawn per collective (seeded): latency term ±30 % (RTT 11.6-21.6 ms, "
+        "queueing on a shared path), transfer term ±50 % (one flow gets 0.67-2 Gbit/s, harmonic mean "
+        "1 Gbit/s, as cross-site traffic comes and goes); the mean time of each collective is wan's. "
+        "Assumed values: the CPDP paper names network variability but gives no figures"
     ),
     "cluster": (
         "GPU nodes with NVLINK inside (3 us, 300 GB/s) and InfiniBand HDR between (5 us, 25 GB/s); "
@@ -363,6 +379,10 @@ def preset(name: str, *, world_size: int | None = None, ranks_per_node: int | No
     elif name == "wan":
         topo = Topology(name="wan", tiers=(_LAN, _WAN), intra_node_tier="LAN", inter_site_tier="WAN",
                         ranks_per_node=ranks_per_node, nodes_per_site=1, num_sites=2, description=PRESETS["wan"])
+    elif name == "wan-variable":
+        topo = Topology(name="wan-variable", tiers=(_LAN, _WAN_VARIABLE), intra_node_tier="LAN",
+                        inter_site_tier="WAN", ranks_per_node=ranks_per_node, nodes_per_site=1, num_sites=2,
+                        description=PRESETS["wan-variable"])
     elif name == "cluster":
         if ranks_per_node is None and world_size is not None:
             _check_count("world_size", world_size, allow_none=False)
@@ -380,13 +400,14 @@ def preset(name: str, *, world_size: int | None = None, ranks_per_node: int | No
 # ---- TOML --------------------------------------------------------------------------------------
 _AUTO_TOML = '"auto"'  # a placement count derived from the world size by place()
 _TOP_KEYS = {"name", "description", "placement", "levels", "tiers"}
-_TIER_KEYS = {"latency_s", "bandwidth_bytes_per_s", "jitter_frac"}
+_TIER_KEYS = {"latency_s", "bandwidth_bytes_per_s", "latency_jitter_frac", "bandwidth_jitter_frac"}
+_OLD_TIER_KEYS = {"jitter_frac"}  # still read (network.Tier maps it), never written nor suggested
 _LEVEL_KEYS = {"intra_node", "inter_node", "inter_site"}
 
 
-def _reject_unknown(where: str, keys: Iterable[str], allowed: set[str]) -> None:
+def _reject_unknown(where: str, keys: Iterable[str], allowed: set[str], old: Iterable[str] = ()) -> None:
     for key in keys:
-        if key not in allowed:
+        if key not in allowed and key not in old:
             raise TopologyError(f"{where}: unknown key {key!r}; use one of {', '.join(sorted(allowed))}")
 
 
@@ -410,7 +431,7 @@ def parse_topology_toml(text: str, *, source: str = "<string>") -> Topology:
     tiers = []
     for tier_name, spec in _table("tiers", data.get("tiers", {})).items():
         spec = _table(f"tiers.{tier_name}", spec)
-        _reject_unknown(f"{source} [tiers.{tier_name}]", spec, _TIER_KEYS)
+        _reject_unknown(f"{source} [tiers.{tier_name}]", spec, _TIER_KEYS, _OLD_TIER_KEYS)
         for key in ("latency_s", "bandwidth_bytes_per_s"):
             if key not in spec:
                 raise TopologyError(f"{source} [tiers.{tier_name}]: {key} is missing; add {key} = <number>")

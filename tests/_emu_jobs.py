@@ -13,6 +13,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from torch._C._profiler import _ExperimentalConfig
 
 import _planner_jobs as pj
-from cpdpkit.emulator import init_distributed, meter
+from cpdpkit.emulator import EmulatorConfig, init_distributed, meter, register_emulated_backend
 from cpdpkit.topology import Tier, Topology
 
 # Modeled times of 30-145 ms (latency and bandwidth terms both matter) dwarf gloo's own time and CPU noise.
@@ -37,6 +38,13 @@ TEST_TOPOLOGY = Topology(
     nodes_per_site=1,
     num_sites=2,
 )
+# The same link varying per collective (as the wan-variable preset): all-reduces of 40-81 ms.
+JITTER_TOPOLOGY = replace(TEST_TOPOLOGY, name="test-wan-variable", tiers=(
+    TEST_TOPOLOGY.tier("LAN"),
+    replace(TEST_TOPOLOGY.tier("WAN"), latency_jitter_frac=0.3, bandwidth_jitter_frac=0.5),
+))
+JITTER_SEED = 11
+NUM_JITTER_CALLS = 4
 TIMED_BYTES = 1024 * 1024
 FOUR_RANK_BYTES = 1024 * 1024
 NUM_TIMED_RUNS = 5
@@ -239,7 +247,7 @@ def counters(gloo: Any) -> dict[str, Any]:
     dist.barrier(gloo)
     with meter() as m:
         dist.all_reduce(x)
-    return {"tier_bytes": m.bytes_by_tier, "blocked_s": m.blocked_s}
+    return {"tier_bytes": m.bytes_by_tier, "blocked_s": m.blocked_s, "modeled_s": m.modeled_s_by_tier}
 
 
 def meter_semantics() -> dict[str, Any]:
@@ -255,6 +263,32 @@ def meter_semantics() -> dict[str, Any]:
             other.join()  # its wait blocks the other thread, not this one
     return {"meter_outer_ops": outer.op_counts, "meter_inner_ops": inner.op_counts,
             "meter_inner_bytes": inner.bytes_by_tier, "meter_inner_blocked_s": inner.blocked_s}
+
+
+def jittered_collectives(rank: int, world: int, gloo: Any) -> dict[str, Any]:
+    """On a group of JITTER_TOPOLOGY: the time each all-reduce booked (its own draw) and took, and
+    what a send and its recv booked. The default emulator configuration is restored after."""
+    register_emulated_backend(EmulatorConfig(topology=JITTER_TOPOLOGY.place(world), jitter_seed=JITTER_SEED))
+    try:
+        group = dist.new_group(backend="emu")
+        x = torch.ones(TIMED_BYTES // 4)
+        calls = []
+        for _ in range(NUM_JITTER_CALLS):
+            dist.barrier(gloo)
+            with meter(group) as m:
+                t0 = time.perf_counter()
+                dist.all_reduce(x, group=group)
+                measured_s = time.perf_counter() - t0
+            calls.append({"measured_s": measured_s, "modeled_s": m.modeled_s_by_tier})
+        with meter(group) as p2p:
+            if rank == 0:
+                dist.send(x, dst=1, group=group)
+            elif rank == 1:
+                dist.recv(x, src=0, group=group)
+        return {"jitter_group_name": group.group_name, "jitter_calls": calls,
+                "jitter_p2p_modeled_s": p2p.modeled_s_by_tier}
+    finally:
+        register_emulated_backend(EmulatorConfig(topology=TEST_TOPOLOGY.place(world)))
 
 
 def collective_timeout(rank: int) -> dict[str, Any]:
@@ -279,6 +313,7 @@ def job_two_ranks(rank: int, world: int, gloo: Any, out: str) -> dict[str, Any]:
     result["profiler"] = profiler_events(rank, out)
     result.update(counters(gloo))
     result.update(meter_semantics())
+    result.update(jittered_collectives(rank, world, gloo))
     result.update(collective_timeout(rank))
     return result
 

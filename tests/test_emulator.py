@@ -21,6 +21,7 @@ from cpdpkit.emulator import meter
 from cpdpkit.emulator._counters import GroupCounters
 from cpdpkit.emulator._link import Link
 from cpdpkit.errors import DistributedSetupError
+from cpdpkit.network import jitter_draws
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
 
@@ -113,6 +114,7 @@ def test_counters_see_one_all_reduce(two: list[dict[str, Any]]) -> None:
     modeled = _modeled_s("all_reduce", 2, jobs.TIMED_BYTES)
     for rank in two:
         assert rank["tier_bytes"] == {"WAN": jobs.TIMED_BYTES}  # ring all-reduce: 2(p-1)/p·n = n on 2 ranks
+        assert rank["modeled_s"] == {"WAN": pytest.approx(modeled, rel=1e-12)}  # a steady tier: the mean
         assert modeled * 0.9 <= rank["blocked_s"] <= modeled * 1.2, (rank["blocked_s"], modeled)
 
 
@@ -126,6 +128,29 @@ def test_meter_nests_counts_new_groups_and_times_only_its_thread(two: list[dict[
         assert rank["meter_inner_bytes"] == {"WAN": wan.wire_bytes("all_reduce", n) + wan.wire_bytes("broadcast", n)}
         # the broadcast was waited on by another thread: only the all-reduce blocked this one
         assert all_reduce_s * 0.9 <= rank["meter_inner_blocked_s"] <= all_reduce_s * 1.2 < all_reduce_s + broadcast_s
+
+
+def test_every_rank_of_a_group_samples_the_same_jittered_time(two: list[dict[str, Any]]) -> None:
+    """On a tier that varies, each collective takes the time of its own (seed, group, sequence)
+    draw: the same on both ranks, different per call, and what the emulator then takes."""
+    network = jobs.JITTER_TOPOLOGY.place(2).group([0, 1])
+    cost = network.cost("all_reduce", jobs.TIMED_BYTES)
+    name = two[0]["jitter_group_name"]
+    assert two[1]["jitter_group_name"] == name
+    expected = [network.sampled_time_s(cost, *jitter_draws(jobs.JITTER_SEED, f"{name}:{seq}"))
+                for seq in range(1, jobs.NUM_JITTER_CALLS + 1)]
+    low, high = network.time_range_s("all_reduce", jobs.TIMED_BYTES)
+    assert all(low <= e <= high for e in expected) and len(set(expected)) == len(expected)
+    for rank in two:
+        draws = [call["modeled_s"]["WAN"] for call in rank["jitter_calls"]]
+        assert draws == pytest.approx(expected, rel=1e-12)
+        ratios = [call["measured_s"] / call["modeled_s"]["WAN"] for call in rank["jitter_calls"]]
+        assert min(ratios) >= 0.99 and sorted(ratios)[len(ratios) // 2] <= 1.10, ratios
+    # a send and its recv draw from "<group>:p2p:<src>-><dst>:<n>": one time for both sides
+    p2p = network.sampled_time_s(network.cost("send_recv", jobs.TIMED_BYTES), *jitter_draws(
+        jobs.JITTER_SEED, f"{name}:p2p:0->1:1"))
+    assert p2p != network.cost("send_recv", jobs.TIMED_BYTES).time_s
+    assert [rank["jitter_p2p_modeled_s"] for rank in two] == [{"WAN": pytest.approx(p2p, rel=1e-12)}] * 2
 
 
 def test_collective_times_out_instead_of_hanging(two: list[dict[str, Any]]) -> None:

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from cpdpkit.errors import TopologyError
-from cpdpkit.network import COLLECTIVE_OPS, NetworkGroup, Tier, alpha_beta_cost
+from cpdpkit.network import COLLECTIVE_OPS, NetworkGroup, Tier, alpha_beta_cost, jitter_draws, sampled_time_s
 from cpdpkit.planner import plan_sharding
 from cpdpkit.topology import preset
 
@@ -75,3 +75,64 @@ def test_plan_bytes_are_the_network_models() -> None:
     assert fwd.tier == group.tier_name and fwd.num_collectives == len(sizes)
     assert fwd.wire_bytes_per_rank == sum(group.wire_bytes("all_gather", n) for n in sizes)
     assert fwd.time_s == pytest.approx(sum(group.time_s("all_gather", n) for n in sizes))
+
+
+# ---- network variability: sampled times ---------------------------------------------------------
+MIB = 1 << 20
+
+
+def test_cost_keeps_its_two_terms() -> None:
+    cost = preset("wan", world_size=4).group(range(4)).cost("all_reduce", 4 * MIB)  # ring, 6 steps
+    assert cost.latency_term_s == pytest.approx(6 * A)
+    assert cost.bandwidth_term_s == pytest.approx(cost.wire_bytes / BW)
+    assert cost.latency_term_s + cost.bandwidth_term_s == cost.time_s
+
+
+def test_sampled_time_for_hand_chosen_draws() -> None:
+    group = preset("wan-variable", world_size=2).group([0, 1])  # WAN: ±30 % latency, ±50 % transfer
+    cost = group.cost("all_reduce", MIB)  # ring on 2 ranks: 2 latency steps, MIB wire bytes
+    latency_ms, transfer_ms = 2 * 8.3, MIB / BW * 1e3  # 16.6 ms and 8.388608 ms
+    for u_latency, u_bandwidth, expect_ms in [
+        (0.0, 0.0, latency_ms + transfer_ms),
+        (0.5, -1.0, latency_ms * 1.15 + transfer_ms * 0.5),  # 19.09 + 4.194304 ms
+        (-1.0, 1.0, latency_ms * 0.7 + transfer_ms * 1.5),  # 11.62 + 12.582912 ms
+        (1.0, 1.0, latency_ms * 1.3 + transfer_ms * 1.5),
+    ]:
+        assert group.sampled_time_s(cost, u_latency, u_bandwidth) * 1e3 == pytest.approx(expect_ms, rel=1e-12)
+    assert group.time_range_s("all_reduce", MIB) == pytest.approx(
+        ((latency_ms * 0.7 + transfer_ms * 0.5) / 1e3, (latency_ms * 1.3 + transfer_ms * 1.5) / 1e3), rel=1e-12)
+    # the same collective on a steady tier, or on one rank, never varies
+    steady = preset("wan", world_size=2).group([0, 1])
+    assert steady.sampled_time_s(steady.cost("all_reduce", MIB), 1.0, -1.0) == steady.cost("all_reduce", MIB).time_s
+    assert sampled_time_s(cost, None, 1.0, 1.0) == cost.time_s
+    assert group.time_range_s("barrier", 0) == pytest.approx((8.3e-3 * 0.7, 8.3e-3 * 1.3))
+
+
+@pytest.mark.parametrize("op", COLLECTIVE_OPS)
+def test_the_mean_of_the_sampled_times_is_the_planned_time(op: str) -> None:
+    """Opposite draws average to ``time_s``: the planner's unjittered time is the emulator's mean."""
+    group = preset("wan-variable", world_size=4).group([0, 2, 3])
+    cost = group.cost(op, 0 if op == "barrier" else 3 * MIB)
+    for u_latency, u_bandwidth in [(0.3, -0.9), (1.0, 1.0), (-0.25, 0.6)]:
+        pair = group.sampled_time_s(cost, u_latency, u_bandwidth) + group.sampled_time_s(cost, -u_latency, -u_bandwidth)
+        assert pair / 2 == pytest.approx(cost.time_s, rel=1e-12)
+    low, high = group.time_range_s(op, cost.num_bytes)
+    assert low < cost.time_s < high
+
+
+def test_draws_are_keyed_by_seed_and_key() -> None:
+    draws = [jitter_draws(7, f"pg0:{seq}") for seq in range(2000)]
+    assert draws == [jitter_draws(7, f"pg0:{seq}") for seq in range(2000)]  # what another rank computes
+    flat = [u for pair in draws for u in pair]
+    assert all(-1.0 <= u <= 1.0 for u in flat) and min(flat) < -0.99 and max(flat) > 0.99
+    assert abs(sum(flat) / len(flat)) < 0.05  # centred: the mean time stays time_s
+    assert len(set(draws)) == len(draws)  # each collective draws anew
+    assert jitter_draws(8, "pg0:1") != jitter_draws(7, "pg0:1") != jitter_draws(7, "pg1:1")
+    u_latency, u_bandwidth = zip(*draws)
+    assert u_latency != u_bandwidth  # two independent draws, not one factor twice
+
+
+def test_draws_outside_the_unit_interval_are_refused() -> None:
+    group = preset("wan-variable", world_size=2).group([0, 1])
+    with pytest.raises(ValueError, match=r"^draws \(1\.5, 0\.0\) must lie in \[-1, 1\]; use jitter_draws\(\)$"):
+        group.sampled_time_s(group.cost("barrier", 0), 1.5, 0.0)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 
 import pytest
+from typer.testing import CliRunner
 
+from cpdpkit.cli import app
 from cpdpkit.errors import TopologyError
 from cpdpkit.topology import (
     PRESETS,
@@ -110,11 +112,45 @@ def test_toml_round_trip_and_dict_round_trip(tmp_path) -> None:
             assert parse_topology_toml(topo.to_toml()) == topo
             assert Topology.from_dict(topo.to_dict()) == topo
     path = tmp_path / "mine.toml"
-    jittery = Topology(name="mine", tiers=(Tier(name="X", latency_s=1e-3, bandwidth_bytes_per_s=1e9, jitter_frac=0.1),),
+    jittery = Topology(name="mine", tiers=(Tier(name="X", latency_s=1e-3, bandwidth_bytes_per_s=1e9,
+                                                 latency_jitter_frac=0.25, bandwidth_jitter_frac=0.125),),
                        intra_node_tier="X", ranks_per_node=4)
     path.write_text(jittery.to_toml())
+    assert "latency_jitter_frac = 0.25\nbandwidth_jitter_frac = 0.125\n" in path.read_text()
     assert load_topology(path) == jittery
+    assert load_topology(path).tier("X").bandwidth_jitter_frac == 0.125
     assert resolve_topology(str(path), world_size=4) == jittery
+
+
+def test_wan_variable_preset_is_wan_with_jitter() -> None:
+    wan, variable = preset("wan", world_size=4), preset("wan-variable", world_size=4)
+    assert resolve_topology("wan-variable", world_size=4) == variable
+    w = variable.tier("WAN")
+    assert (w.latency_jitter_frac, w.bandwidth_jitter_frac) == (0.3, 0.5)
+    assert (w.latency_s, w.bandwidth_bytes_per_s) == (wan.tier("WAN").latency_s, wan.tier("WAN").bandwidth_bytes_per_s)
+    assert variable.tier("LAN") == wan.tier("LAN") and not variable.tier("LAN").is_variable
+    assert (variable.num_sites, variable.nodes_per_site, variable.ranks_per_node) == (2, 1, 2)
+    # the planner's (mean) costs are wan's, bit for bit
+    for ranks in ([0, 1], [0, 2], range(4)):
+        assert variable.collective_cost("all_reduce", MIB, ranks).time_s == wan.collective_cost(
+            "all_reduce", MIB, ranks).time_s
+    assert "±30 %" in PRESETS["wan-variable"] and "±50 %" in PRESETS["wan-variable"]
+    assert variable.description == PRESETS["wan-variable"]
+
+
+def test_toml_jitter_keys_and_the_old_alias() -> None:
+    text = BASE + "latency_jitter_frac = 0.3\nbandwidth_jitter_frac = 0.5\n"
+    tier = parse_topology_toml(text, source="t.toml").tier("LAN")
+    assert (tier.latency_jitter_frac, tier.bandwidth_jitter_frac) == (0.3, 0.5)
+    # jitter_frac = j (the one knob before) still reads, as both fractions = j; it is never written
+    old = parse_topology_toml(BASE + "jitter_frac = 0.05\n", source="t.toml")
+    assert (old.tier("LAN").latency_jitter_frac, old.tier("LAN").bandwidth_jitter_frac) == (0.05, 0.05)
+    assert not any(line.startswith("jitter_frac") for line in old.to_toml().splitlines())
+    assert parse_topology_toml(old.to_toml()) == old
+    # a dict saved before the split (a plan's JSON) loads too
+    saved = {"name": "x", "tiers": [{"name": "A", "latency_s": 1e-3, "bandwidth_bytes_per_s": 1e9, "jitter_frac": 0.0}],
+             "intra_node_tier": "A", "ranks_per_node": 2, "world_size": 2}
+    assert Topology.from_dict(saved).tier("A") == Tier(name="A", latency_s=1e-3, bandwidth_bytes_per_s=1e9)
 
 
 def test_toml_open_count_is_filled_by_place() -> None:
@@ -165,7 +201,8 @@ def _bad_base(old: str, new: str):
 
 
 ERRORS = [
-    (lambda: preset("moon"), "unknown topology preset 'moon'; use one of lan, wan, cluster or a path to a .toml file"),
+    (lambda: preset("moon"),
+     "unknown topology preset 'moon'; use one of lan, wan, wan-variable, cluster or a path to a .toml file"),
     (lambda: preset("wan", world_size=3),
      "topology 'wan' needs a world size divisible by 2 (2 site(s) x 1 node(s) x ? rank(s)); got 3; "
      "run a multiple of 2 ranks or use a TOML file"),
@@ -191,13 +228,26 @@ ERRORS = [
     (lambda: Tier(name="WAN", latency_s=1e-3, bandwidth_bytes_per_s=0),
      "tiers.WAN.bandwidth_bytes_per_s = 0 is invalid; set it to a finite number > 0"),
     (lambda: Tier(name="WAN", latency_s=1e-3, bandwidth_bytes_per_s=1e9, jitter_frac=1.5),
-     "tiers.WAN.jitter_frac = 1.5 must be below 1 (a fraction such as 0.05 for ±5 %)"),
+     "tiers.WAN.jitter_frac = 1.5 is invalid; set it to a fraction in [0, 1), such as 0.05 for ±5 %"),
+    (lambda: Tier(name="WAN", latency_s=1e-3, bandwidth_bytes_per_s=1e9, latency_jitter_frac=-0.1),
+     "tiers.WAN.latency_jitter_frac = -0.1 is invalid; set it to a fraction in [0, 1), such as 0.3 for ±30 %"),
+    (lambda: Tier(name="WAN", latency_s=1e-3, bandwidth_bytes_per_s=1e9, bandwidth_jitter_frac=1.0),
+     "tiers.WAN.bandwidth_jitter_frac = 1.0 is invalid; set it to a fraction in [0, 1), such as 0.5 for ±50 %"),
+    (_bad_base("bandwidth_bytes_per_s = 1e9", "bandwidth_bytes_per_s = 1e9\nbandwidth_jitter_frac = 1"),
+     "tiers.LAN.bandwidth_jitter_frac = 1 is invalid; set it to a fraction in [0, 1), such as 0.5 for ±50 %"),
+    (_bad_base("bandwidth_bytes_per_s = 1e9", "bandwidth_bytes_per_s = 1e9\nlatency_jitter_frac = '30 %'"),
+     "tiers.LAN.latency_jitter_frac = '30 %' is invalid; set it to a fraction in [0, 1), such as 0.3 for ±30 %"),
+    (_bad_base("bandwidth_bytes_per_s = 1e9",
+               "bandwidth_bytes_per_s = 1e9\njitter_frac = 0.1\nlatency_jitter_frac = 0.2"),
+     "tiers.LAN: jitter_frac = 0.1 is the old name of latency_jitter_frac and bandwidth_jitter_frac; "
+     "remove it and keep the new keys"),
     (lambda: Tier(name="a b", latency_s=1e-3, bandwidth_bytes_per_s=1e9),
      "tier name 'a b' is invalid; use a short identifier such as 'IB' or 'WAN'"),
     (_bad_base('intra_node = "LAN"', 'intra_node = "IB"'),
      "topology 't': intra_node_tier = 'IB' is not a defined tier; use one of LAN or add [tiers.IB]"),
     (_bad_base("latency_s", "latency_ms"),
-     "t.toml [tiers.LAN]: unknown key 'latency_ms'; use one of bandwidth_bytes_per_s, jitter_frac, latency_s"),
+     "t.toml [tiers.LAN]: unknown key 'latency_ms'; use one of bandwidth_bytes_per_s, bandwidth_jitter_frac, "
+     "latency_jitter_frac, latency_s"),
     (_bad_base("latency_s = 1e-4\n", ""),
      "t.toml [tiers.LAN]: latency_s is missing; add latency_s = <number>"),
     (_bad_base("ranks_per_node = 2", "ranks_per_node = 0"),
@@ -208,7 +258,8 @@ ERRORS = [
      "topology 't': inter_node_tier is unset but nodes_per_site = 2; "
      "name the tier between nodes or set nodes_per_site = 1"),
     (lambda: parse_topology_toml(BASE + "\nspeed = 3\n", source="t.toml"),
-     "t.toml [tiers.LAN]: unknown key 'speed'; use one of bandwidth_bytes_per_s, jitter_frac, latency_s"),
+     "t.toml [tiers.LAN]: unknown key 'speed'; use one of bandwidth_bytes_per_s, bandwidth_jitter_frac, "
+     "latency_jitter_frac, latency_s"),
     (lambda: parse_topology_toml("name = 'x'\nsites = 2\n", source="t.toml"),
      "t.toml: unknown key 'sites'; use one of description, levels, name, placement, tiers"),
     (lambda: parse_topology_toml("name = \n", source="t.toml"),
@@ -227,3 +278,43 @@ def test_validation_errors_are_exact(make, message: str) -> None:
     with pytest.raises(TopologyError) as info:
         make()
     assert str(info.value) == message
+
+
+# ---- cpdpkit topology show ---------------------------------------------------------------------
+runner = CliRunner()
+
+
+def test_show_wan_variable_gives_jitter_and_the_range_beside_the_mean() -> None:
+    result = runner.invoke(app, ["topology", "show", "wan-variable", "--world-size", "2"], env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    (wan_row,) = [line for line in lines if line.startswith("│ WAN")]
+    assert "latency ±30%, transfer ±50% (0.667-2 Gbit/s)" in wan_row
+    assert [line for line in lines if line.startswith("│ LAN")][0].rstrip(" │").endswith("-")
+    assert "time (mean)" in result.stdout and "range (min-max)" in result.stdout
+    # all_reduce of 4 MiB on 2 ranks: 16.6 ms latency + 33.554432 ms transfer = 50.154 ms;
+    # min 0.7 x 16.6 + 0.5 x 33.554 = 28.397 ms, max 1.3 x 16.6 + 1.5 x 33.554 = 71.912 ms
+    (all_reduce,) = [line for line in lines if line.startswith("│ all_reduce")]
+    assert [cell.strip() for cell in all_reduce.split("│")[4:6]] == ["50.154 ms", "28.397-71.912 ms"]
+    (barrier,) = [line for line in lines if line.startswith("│ barrier")]
+    assert "5.810-10.790 ms" in barrier and "8.300 ms" in barrier
+
+
+def test_show_steady_topology_has_no_range_column() -> None:
+    result = runner.invoke(app, ["topology", "show", "wan", "--world-size", "2"], env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    assert "50.154 ms" in result.stdout and "range" not in result.stdout and "mean" not in result.stdout
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ("bandwidth_jitter_frac = 1.5",
+     "tiers.LAN.bandwidth_jitter_frac = 1.5 is invalid; set it to a fraction in [0, 1), such as 0.5 for ±50 %"),
+    ("latency_jitter_frac = -0.2",
+     "tiers.LAN.latency_jitter_frac = -0.2 is invalid; set it to a fraction in [0, 1), such as 0.3 for ±30 %"),
+])
+def test_show_bad_jitter_is_one_line_and_exit_2(tmp_path, line: str, message: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(BASE + line + "\n")
+    result = runner.invoke(app, ["topology", "show", str(path)], env={"COLUMNS": "300"})
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"error: {message}"

@@ -1,10 +1,11 @@
 """Network emulation for torch.distributed: the ``emu`` c10d backend and ``init_distributed``.
 
 Set ``CPDPKIT_TOPOLOGY`` (or pass ``topology=``) and every collective of every process group
-takes the time the :mod:`cpdpkit.network` model gives it on its tier, while the data still moves
-through gloo (CPU) or nccl (CUDA) and stays bit-identical. ``with meter() as m:`` reports what a
-block issued: ``m.op_counts``, ``m.bytes_by_tier`` (the model's wire bytes, the same numbers a
-plan prices) and ``m.blocked_s``.
+takes the time the :mod:`cpdpkit.network` model gives it on its tier (on a tier that varies, its
+own seeded sample, the same on every rank of the group), while the data still moves through gloo
+(CPU) or nccl (CUDA) and stays bit-identical. ``with meter() as m:`` reports what a block issued:
+``m.op_counts``, ``m.bytes_by_tier`` (the model's wire bytes, the same numbers a plan prices),
+``m.modeled_s_by_tier`` (the modeled seconds booked) and ``m.blocked_s``.
 """
 
 from __future__ import annotations

@@ -22,20 +22,26 @@ def _frozen(values: Mapping) -> Mapping:
 
 @dataclass(frozen=True)
 class Counts:
-    """A reading of counters: collectives by canonical op, wire bytes by tier, and seconds spent
-    blocked in ``EmulatedWork.wait`` by thread ident. Zero entries are left out."""
+    """A reading of counters: collectives by canonical op, wire bytes by tier, seconds spent
+    blocked in ``EmulatedWork.wait`` by thread ident, and modeled link seconds booked by tier (each
+    collective's sampled time). Zero entries are left out."""
 
     op_counts: Mapping[str, int] = field(default_factory=lambda: _frozen({}))
     wire_bytes: Mapping[str, int] = field(default_factory=lambda: _frozen({}))
     blocked_s: Mapping[int, float] = field(default_factory=lambda: _frozen({}))
+    modeled_s: Mapping[str, float] = field(default_factory=lambda: _frozen({}))
 
     def __add__(self, other: Counts) -> Counts:
-        return Counts(_combine(self.op_counts, other.op_counts, 1), _combine(self.wire_bytes, other.wire_bytes, 1),
-                      _combine(self.blocked_s, other.blocked_s, 1))
+        return self._merge(other, 1)
 
     def __sub__(self, other: Counts) -> Counts:
-        return Counts(_combine(self.op_counts, other.op_counts, -1), _combine(self.wire_bytes, other.wire_bytes, -1),
-                      _combine(self.blocked_s, other.blocked_s, -1))
+        return self._merge(other, -1)
+
+    def _merge(self, other: Counts, sign: int) -> Counts:
+        return Counts(_combine(self.op_counts, other.op_counts, sign),
+                      _combine(self.wire_bytes, other.wire_bytes, sign),
+                      _combine(self.blocked_s, other.blocked_s, sign),
+                      _combine(self.modeled_s, other.modeled_s, sign))
 
 
 def _combine(a: Mapping, b: Mapping, sign: int) -> Mapping:
@@ -54,6 +60,7 @@ class GroupCounters:
         self._ops: Counter[str] = Counter()
         self._wire_bytes: Counter[str] = Counter()
         self._blocked_s: dict[int, float] = {}
+        self._modeled_s: dict[str, float] = {}
 
     def add_op(self, op: str) -> None:
         with self._lock:
@@ -68,7 +75,13 @@ class GroupCounters:
         with self._lock:
             self._blocked_s[thread_ident] = self._blocked_s.get(thread_ident, 0.0) + seconds
 
+    def add_modeled(self, tier: str, seconds: float) -> None:
+        if seconds:
+            with self._lock:
+                self._modeled_s[tier] = self._modeled_s.get(tier, 0.0) + seconds
+
     def read(self) -> Counts:
         with self._lock:
             return Counts(_frozen(+self._ops), _frozen(+self._wire_bytes),
-                          _frozen({k: v for k, v in self._blocked_s.items() if v}))
+                          _frozen({k: v for k, v in self._blocked_s.items() if v}),
+                          _frozen({k: v for k, v in self._modeled_s.items() if v}))

@@ -154,10 +154,11 @@ class Link:
         weakref.finalize(self, self._worker.stop, _FINAL_JOIN_S)
 
     def book(self, *, label: str, modeled_s: float, inner: Any, outputs: list[torch.Tensor],
-             timeout_s: float) -> EmulatedWork:
-        """Reserve the link for ``modeled_s`` from now (or from its end of use) and return the Work."""
+             timeout_s: float, issued_s: float | None = None) -> EmulatedWork:
+        """Reserve the link for ``modeled_s`` from ``issued_s`` (default: now; a monotonic time) or
+        from its end of use, whichever is later, and return the Work."""
         with self._lock:
-            start_s = max(time.monotonic(), self._free_at_s)
+            start_s = max(time.monotonic() if issued_s is None else issued_s, self._free_at_s)
             end_s = start_s + modeled_s
             self._free_at_s = end_s
             booking = Booking(label=label, inner=inner, outputs=outputs, start_s=start_s, end_s=end_s,

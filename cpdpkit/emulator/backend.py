@@ -11,6 +11,14 @@ point-to-point peer, the pair's group) and takes both a collective's modeled tim
 bytes it counts from ``group.cost(op, num_bytes)``, so an emulated run counts exactly the bytes
 a plan prices for the same collectives, whichever algorithm the model picked.
 
+On a tier that varies (``latency_jitter_frac``, ``bandwidth_jitter_frac``) each collective takes
+its *sampled* time, :func:`cpdpkit.network.sampled_time_s` for the draws
+:func:`cpdpkit.network.jitter_draws` gives the key ``(jitter_seed, "<group name>:<sequence
+number>")`` (:func:`jittered_s`): every rank of a group issues its collectives in the same order,
+so all of them draw the same factors and finish together. A send and its recv draw from
+``"<group name>:p2p:<src>-><dst>:<n>"``, ``n`` counting the messages from ``src`` to ``dst``
+(sends and receives between two ranks match in order).
+
 Both the Python method names (``dist.*`` calls them) and the names c10d's C++ trampoline looks
 up (DDP's reducer, functional collectives) are overridden, and each group counts what went
 through (:func:`cpdpkit.emulator.meter` reads the counts), so a test can prove that nothing
@@ -23,8 +31,8 @@ the creator it registers, and the groups that creator makes share one :class:`Em
 from __future__ import annotations
 
 import functools
-import random
 import threading
+import time
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -39,7 +47,7 @@ from cpdpkit.emulator._counters import GroupCounters
 from cpdpkit.emulator._link import EmulatedWork, Link
 from cpdpkit.errors import DistributedSetupError
 from cpdpkit.labels import emu_label, format_ranks
-from cpdpkit.network import NetworkGroup
+from cpdpkit.network import CollectiveCost, NetworkGroup, jitter_draws
 from cpdpkit.topology import Topology
 
 __all__ = [
@@ -130,16 +138,17 @@ def _create_emulated_group(session: EmulatorSession, opts: Any, backend_options:
                                 timeout=timeout, group_id=str(opts.group_id))
 
 
-def jittered_s(base_s: float, jitter_frac: float, *, seed: int, key: str) -> float:
-    """``base_s`` times a factor in [1 - jitter_frac, 1 + jitter_frac] drawn from (seed, key).
+def jittered_s(network: NetworkGroup, costs: Sequence[CollectiveCost], *, seed: int, key: str) -> float:
+    """The emulated seconds of ``costs`` (one collective, or a coalesced batch) on ``network``.
 
-    Every rank of a group uses the same key for the same collective (group name and sequence
-    number), so all ranks draw the same factor and finish together.
+    Their summed :meth:`~cpdpkit.network.NetworkGroup.sampled_time_s` for the draws of
+    ``(seed, key)``; every rank passes the same key for the same collective (module docstring),
+    so all ranks get the same time. On a tier without jitter: the summed ``time_s``.
     """
-    if jitter_frac <= 0 or base_s <= 0:
-        return base_s
-    rng = random.Random(f"{seed}:{key}")
-    return base_s * (1.0 + jitter_frac * (2.0 * rng.random() - 1.0))
+    if network.tier is None or not network.tier.is_variable:
+        return sum(c.time_s for c in costs)
+    u_latency, u_bandwidth = jitter_draws(seed, key)
+    return sum(network.sampled_time_s(c, u_latency, u_bandwidth) for c in costs)
 
 
 def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -163,11 +172,11 @@ class EmulatedProcessGroup(ProcessGroup):
         self._group_name = group_id
         self._network = session.config.topology.group(self._global_ranks)
         self.tier_name = self._network.tier_name
-        self._jitter_frac = self._network.tier.jitter_frac if self._network.tier is not None else 0.0
         self._ranks_label = format_ranks(self._global_ranks)
         self._counters = GroupCounters()
         self._link = Link(group_id, self._counters)
         self._p2p_links: dict[int, tuple[Link, NetworkGroup]] = {}  # peer (group rank) -> (link, pair's group)
+        self._p2p_seq: dict[tuple[int, int], int] = {}  # (src, dst) global ranks -> messages so far
         self._seq_lock = threading.Lock()
         self._seq = 0
         self._coalescing: list[tuple[str, int]] | None = None
@@ -214,85 +223,91 @@ class EmulatedProcessGroup(ProcessGroup):
             return self._seq
 
     def _emulate(self, op: str, model_op: str, num_bytes: int, inner_work: Any,
-                 outputs: list[torch.Tensor]) -> EmulatedWork:
-        """Count ``op`` and book ``model_op``'s modeled cost (``op`` is the label's kind)."""
+                 outputs: list[torch.Tensor], issued_s: float) -> EmulatedWork:
+        """Count ``op`` and book ``model_op``'s modeled cost (``op`` is the label's kind) from
+        ``issued_s``, the monotonic time the collective was handed to the real backend (gloo may
+        run part of an "async" collective, e.g. its reduce_scatter, before returning the Work;
+        that time overlaps the modeled link time instead of adding to it)."""
         seq = self._next_seq()
         self._counters.add_op(op)
         if self._coalescing is not None:
             self._coalescing.append((model_op, num_bytes))
             # time and bytes are charged once, when the coalesced batch ends
-            return self._book(op, num_bytes, 0.0, 0, seq, inner_work, outputs)
-        cost = self._network.cost(model_op, num_bytes)
-        return self._book(op, num_bytes, cost.time_s, cost.wire_bytes, seq, inner_work, outputs)
+            return self._book(op, num_bytes, [], seq, inner_work, outputs, issued_s)
+        costs = [self._network.cost(model_op, num_bytes)]
+        return self._book(op, num_bytes, costs, seq, inner_work, outputs, issued_s)
 
-    def _book(self, op: str, num_bytes: int, time_s: float, wire_bytes: int, seq: int, inner_work: Any,
-              outputs: list[torch.Tensor]) -> EmulatedWork:
-        self._counters.add_wire_bytes(self.tier_name, wire_bytes)
-        modeled_s = jittered_s(time_s, self._jitter_frac, seed=self._session.config.jitter_seed,
+    def _book(self, op: str, num_bytes: int, costs: list[CollectiveCost], seq: int, inner_work: Any,
+              outputs: list[torch.Tensor], issued_s: float) -> EmulatedWork:
+        """Count ``costs``' wire bytes and book their sampled time (one draw for the whole batch)."""
+        self._counters.add_wire_bytes(self.tier_name, sum(c.wire_bytes for c in costs))
+        modeled_s = jittered_s(self._network, costs, seed=self._session.config.jitter_seed,
                                key=f"{self._group_name}:{seq}")
+        self._counters.add_modeled(self.tier_name, modeled_s)
         label = emu_label(op, num_bytes=num_bytes, tier=self.tier_name, ranks=self._ranks_label, modeled_s=modeled_s)
         return self._link.book(label=label, modeled_s=modeled_s, inner=inner_work, outputs=outputs,
-                               timeout_s=self._timeout_s)
+                               timeout_s=self._timeout_s, issued_s=issued_s)
 
     # ---- all-reduce --------------------------------------------------------------------------
     def allreduce(self, tensors: Any, opts: Any = None) -> EmulatedWork:
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
         opts = opts if opts is not None else dist.AllreduceOptions()
-        work = self._inner.allreduce(tensors, opts)
-        return self._emulate("all_reduce", "all_reduce", _nbytes(tensors), work, list(tensors))
+        issued_s, work = time.monotonic(), self._inner.allreduce(tensors, opts)
+        return self._emulate("all_reduce", "all_reduce", _nbytes(tensors), work, list(tensors), issued_s)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> EmulatedWork:
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
-        work = self._inner.allreduce_coalesced(tensors, opts)
-        return self._emulate("all_reduce", "all_reduce", _nbytes(tensors), work, list(tensors))
+        issued_s, work = time.monotonic(), self._inner.allreduce_coalesced(tensors, opts)
+        return self._emulate("all_reduce", "all_reduce", _nbytes(tensors), work, list(tensors), issued_s)
 
     # ---- all-gather --------------------------------------------------------------------------
     def allgather(self, output_lists: Any, input_tensors: Any, opts: Any = None) -> EmulatedWork:
         opts = opts if opts is not None else dist.AllgatherOptions()
-        work = self._inner.allgather(output_lists, input_tensors, opts)
+        issued_s, work = time.monotonic(), self._inner.allgather(output_lists, input_tensors, opts)
         outs = _flat(output_lists)
-        return self._emulate("all_gather", "all_gather", _nbytes(outs), work, outs)
+        return self._emulate("all_gather", "all_gather", _nbytes(outs), work, outs, issued_s)
 
     def allgather_coalesced(self, output_lists: Any, input_tensors: Any, opts: Any = None) -> EmulatedWork:
         opts = opts if opts is not None else dist.AllgatherOptions()
-        work = self._inner.allgather_coalesced(output_lists, input_tensors, opts)
+        issued_s, work = time.monotonic(), self._inner.allgather_coalesced(output_lists, input_tensors, opts)
         outs = _flat(output_lists)
-        return self._emulate("all_gather", "all_gather", _nbytes(outs), work, outs)
+        return self._emulate("all_gather", "all_gather", _nbytes(outs), work, outs, issued_s)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> EmulatedWork:  # noqa: A002
         opts = opts if opts is not None else dist.AllgatherOptions()
-        work = self._inner.all_gather_single(output, input, opts)
-        return self._emulate("all_gather", "all_gather", _nbytes([output]), work, [output])
+        issued_s, work = time.monotonic(), self._inner.all_gather_single(output, input, opts)
+        return self._emulate("all_gather", "all_gather", _nbytes([output]), work, [output], issued_s)
 
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                     opts: Any = None) -> EmulatedWork:
         opts = opts if opts is not None else dist.AllgatherOptions()
-        work = self._inner.all_gather_single_coalesced(outputs, inputs, opts)
-        return self._emulate("all_gather", "all_gather", _nbytes(outputs), work, list(outputs))
+        issued_s, work = time.monotonic(), self._inner.all_gather_single_coalesced(outputs, inputs, opts)
+        return self._emulate("all_gather", "all_gather", _nbytes(outputs), work, list(outputs), issued_s)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     # ---- reduce-scatter ----------------------------------------------------------------------
     def reduce_scatter(self, outputs: Any, input_lists: Any, opts: Any = None) -> EmulatedWork:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
-        work = self._inner.reduce_scatter(outputs, input_lists, opts)
-        return self._emulate("reduce_scatter", "reduce_scatter", _nbytes(_flat(input_lists)), work, list(outputs))
+        issued_s, work = time.monotonic(), self._inner.reduce_scatter(outputs, input_lists, opts)
+        return self._emulate("reduce_scatter", "reduce_scatter", _nbytes(_flat(input_lists)), work, list(outputs),
+                             issued_s)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> EmulatedWork:  # noqa: A002
         opts = opts if opts is not None else dist.ReduceScatterOptions()
-        work = self._inner.reduce_scatter_single(output, input, opts)
-        return self._emulate("reduce_scatter", "reduce_scatter", _nbytes([input]), work, [output])
+        issued_s, work = time.monotonic(), self._inner.reduce_scatter_single(output, input, opts)
+        return self._emulate("reduce_scatter", "reduce_scatter", _nbytes([input]), work, [output], issued_s)
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> EmulatedWork:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
-        work = self._inner.reduce_scatter_single_coalesced(outputs, inputs, opts)
-        return self._emulate("reduce_scatter", "reduce_scatter", _nbytes(inputs), work, list(outputs))
+        issued_s, work = time.monotonic(), self._inner.reduce_scatter_single_coalesced(outputs, inputs, opts)
+        return self._emulate("reduce_scatter", "reduce_scatter", _nbytes(inputs), work, list(outputs), issued_s)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -301,74 +316,82 @@ class EmulatedProcessGroup(ProcessGroup):
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
         opts = opts if opts is not None else dist.BroadcastOptions()
-        work = self._inner.broadcast(tensors, opts)
-        return self._emulate("broadcast", "broadcast", _nbytes(tensors), work, list(tensors))
+        issued_s, work = time.monotonic(), self._inner.broadcast(tensors, opts)
+        return self._emulate("broadcast", "broadcast", _nbytes(tensors), work, list(tensors), issued_s)
 
     def barrier(self, opts: Any = None) -> EmulatedWork:
         opts = opts if opts is not None else dist.BarrierOptions()
-        work = self._inner.barrier(opts)
-        return self._emulate("barrier", "barrier", 0, work, [])
+        issued_s, work = time.monotonic(), self._inner.barrier(opts)
+        return self._emulate("barrier", "barrier", 0, work, [], issued_s)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],  # noqa: A002
                           input_split_sizes: list[int], opts: Any = None) -> EmulatedWork:
         opts = opts if opts is not None else dist.AllToAllOptions()
+        issued_s = time.monotonic()
         work = self._inner.all_to_all_single(output, input, output_split_sizes, input_split_sizes, opts)
-        return self._emulate("all_to_all", "all_to_all", _nbytes([input]), work, [output])
+        return self._emulate("all_to_all", "all_to_all", _nbytes([input]), work, [output], issued_s)
 
     alltoall_base = all_to_all_single
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> EmulatedWork:
         opts = opts if opts is not None else dist.AllToAllOptions()
-        work = self._inner.alltoall(outputs, inputs, opts)
-        return self._emulate("all_to_all", "all_to_all", _nbytes(inputs), work, list(outputs))
+        issued_s, work = time.monotonic(), self._inner.alltoall(outputs, inputs, opts)
+        return self._emulate("all_to_all", "all_to_all", _nbytes(inputs), work, list(outputs), issued_s)
 
     # ---- rooted collectives (modeled with the nearest symmetric formula, labelled "other") ----
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> EmulatedWork:
         opts = opts if opts is not None else dist.ReduceOptions()
-        work = self._inner.reduce(tensors, opts)
-        return self._emulate("other", "broadcast", _nbytes(tensors), work, list(tensors))
+        issued_s, work = time.monotonic(), self._inner.reduce(tensors, opts)
+        return self._emulate("other", "broadcast", _nbytes(tensors), work, list(tensors), issued_s)
 
     def gather(self, outputs: Any, inputs: list[torch.Tensor], opts: Any = None) -> EmulatedWork:
         opts = opts if opts is not None else dist.GatherOptions()
-        work = self._inner.gather(outputs, inputs, opts)
-        return self._emulate("other", "all_gather", _nbytes(inputs) * self.size(), work, _flat(outputs))
+        issued_s, work = time.monotonic(), self._inner.gather(outputs, inputs, opts)
+        return self._emulate("other", "all_gather", _nbytes(inputs) * self.size(), work, _flat(outputs), issued_s)
 
     def scatter(self, outputs: list[torch.Tensor], inputs: Any, opts: Any = None) -> EmulatedWork:
         opts = opts if opts is not None else dist.ScatterOptions()
-        work = self._inner.scatter(outputs, inputs, opts)
-        return self._emulate("other", "all_gather", _nbytes(outputs) * self.size(), work, list(outputs))
+        issued_s, work = time.monotonic(), self._inner.scatter(outputs, inputs, opts)
+        return self._emulate("other", "all_gather", _nbytes(outputs) * self.size(), work, list(outputs), issued_s)
 
     # ---- point to point ------------------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> EmulatedWork:
-        work = self._inner.send(tensors, dst, tag)
-        return self._p2p(tensors, dst, work, sending=True)
+        issued_s, work = time.monotonic(), self._inner.send(tensors, dst, tag)
+        return self._p2p(tensors, dst, work, issued_s, sending=True)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> EmulatedWork:
-        work = self._inner.recv(tensors, src, tag)
-        return self._p2p(tensors, src, work, sending=False)
+        issued_s, work = time.monotonic(), self._inner.recv(tensors, src, tag)
+        return self._p2p(tensors, src, work, issued_s, sending=False)
 
-    def _p2p(self, tensors: list[torch.Tensor], peer: int, work: Any, *, sending: bool) -> EmulatedWork:
+    def _p2p(self, tensors: list[torch.Tensor], peer: int, work: Any, issued_s: float, *,
+             sending: bool) -> EmulatedWork:
         """Book a send or recv on the link to ``peer``, priced by the pair's network group.
 
-        The sender counts the wire bytes (a recv sends nothing); p2p is not jittered, since the
-        two sides have no common sequence number to draw the same factor from.
+        The sender counts the wire bytes (a recv sends nothing). Both sides draw the jitter of
+        the ``n``-th message from ``src`` to ``dst`` (module docstring), so they sample one time.
         """
+        me, other = self._global_ranks[self.rank()], self._global_ranks[peer]
         route = self._p2p_links.get(peer)
         if route is None:
             # Point-to-point traffic has its own link per peer direction, not the group's timeline.
-            me, other = self._global_ranks[self.rank()], self._global_ranks[peer]
             route = self._p2p_links.setdefault(
                 peer, (Link(f"{self._group_name}-p2p-{me}-{other}", self._counters), self.topology.group((me, other))))
         link, network = route
         num_bytes = _nbytes(tensors)
         cost = network.cost("send_recv", num_bytes)
+        direction = (me, other) if sending else (other, me)
+        with self._seq_lock:
+            n = self._p2p_seq[direction] = self._p2p_seq.get(direction, 0) + 1
+        modeled_s = jittered_s(network, [cost], seed=self._session.config.jitter_seed,
+                               key=f"{self._group_name}:p2p:{direction[0]}->{direction[1]}:{n}")
         self._counters.add_op("send_recv")
+        self._counters.add_modeled(network.tier_name, modeled_s)
         if sending:
             self._counters.add_wire_bytes(network.tier_name, cost.wire_bytes)
         label = emu_label("send_recv", num_bytes=num_bytes, tier=network.tier_name, ranks=format_ranks(network.ranks),
-                          modeled_s=cost.time_s)
-        return link.book(label=label, modeled_s=cost.time_s, inner=work, outputs=list(tensors),
-                         timeout_s=self._timeout_s)
+                          modeled_s=modeled_s)
+        return link.book(label=label, modeled_s=modeled_s, inner=work, outputs=list(tensors),
+                         timeout_s=self._timeout_s, issued_s=issued_s)
 
     # ---- coalescing (dist._coalescing_manager) -------------------------------------------------
     def _start_coalescing(self, device: torch.device) -> None:
@@ -380,17 +403,15 @@ class EmulatedProcessGroup(ProcessGroup):
     def _end_coalescing(self, device: torch.device) -> EmulatedWork:
         """Charge the batch once: one collective of the summed bytes when every op is of one
         kind (as a fused launch), else the sum of each op's own cost (labelled ``other``)."""
-        work = self._inner._end_coalescing(device)
+        issued_s, work = time.monotonic(), self._inner._end_coalescing(device)
         batch, self._coalescing = self._coalescing or [], None
         seq = self._next_seq()
         total = sum(n for _, n in batch)
         kinds = {op for op, _ in batch}
         if len(kinds) == 1:
             cost = self._network.cost(next(iter(kinds)), total)
-            return self._book(cost.op, total, cost.time_s, cost.wire_bytes, seq, work, [])
-        costs = [self._network.cost(op, n) for op, n in batch]
-        return self._book("other", total, sum(c.time_s for c in costs), sum(c.wire_bytes for c in costs), seq,
-                          work, [])
+            return self._book(cost.op, total, [cost], seq, work, [], issued_s)
+        return self._book("other", total, [self._network.cost(op, n) for op, n in batch], seq, work, [], issued_s)
 
     end_coalescing = _end_coalescing
 

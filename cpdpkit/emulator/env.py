@@ -2,8 +2,8 @@
 
 ``cpdpkit launch --topology NAME|FILE`` sets it for the ranks torchrun starts;
 :func:`cpdpkit.init_distributed` reads it (through :func:`topology_from_env`) to decide whether
-to emulate. Its value is a preset name (``lan``, ``wan``, ``cluster``) or a path to a topology
-TOML file. Unset or empty means: no emulation.
+to emulate. Its value is a preset name (``lan``, ``wan``, ``wan-variable``, ``cluster``) or a path
+to a topology TOML file. Unset or empty means: no emulation.
 
 Both names are defined in the torch-free :mod:`cpdpkit._env` (importing this module runs
 :mod:`cpdpkit.emulator`'s ``__init__``, which imports torch) and re-exported here.

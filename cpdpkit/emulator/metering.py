@@ -2,7 +2,8 @@
 
 Every :class:`~cpdpkit.emulator.backend.EmulatedProcessGroup` counts its own collectives (by
 canonical op), the wire bytes the network model charges them (by the group's tier; the bytes a
-plan prices for the same collectives) and the seconds each thread spent blocked in
+plan prices for the same collectives), the modeled seconds it booked on its links (by tier; each
+collective's sampled time on a tier that varies) and the seconds each thread spent blocked in
 ``EmulatedWork.wait``. :func:`meter` reads all groups of one emulator session (by default the
 session of the default process group) when the block starts and when it ends, and reports the
 difference: collectives issued from any thread count, groups created inside the block count
@@ -73,6 +74,13 @@ class Meter:
         """Wire bytes this rank sent, by the tier of the group that sent them: for each collective
         ``group.cost(op, num_bytes).wire_bytes`` of the network model (a p2p send: the pair's)."""
         return dict(self._difference().wire_bytes)
+
+    @property
+    def modeled_s_by_tier(self) -> dict[str, float]:
+        """Modeled link seconds this rank's emulated groups booked, by tier: each collective's
+        time under the network model (on a tier that varies, the time of its own draw; a send
+        and a recv each book theirs)."""
+        return dict(self._difference().modeled_s)
 
     @property
     def blocked_s(self) -> float:
