@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -86,6 +87,10 @@ def test_failed_and_diverged_runs_are_reported_with_their_reason(tmp_path):
         (["--topology", "moon"], "unknown topology preset 'moon'"),
         (["--suite", "fedavg"], "unknown --suite 'fedavg': drop --suite for the main job"),
         (["--steps", "3", "--optimizer", "sgd"], "--steps, --optimizer: option(s) of the sharding suite only"),
+        (["--lr-schedule", "linear"], "--lr-schedule 'linear' is not one of constant, cosine, step: "
+                                      "e.g. --lr-schedule cosine"),
+        (["--optimizer-state", "sync"], "--optimizer-state 'sync' is not one of keep, average, reset"),
+        (["--slowmo-momentum", "1.0"], "--slowmo-momentum must be in [0, 1), got 1.0"),
     ],
 )
 def test_bad_options_exit_2_with_one_line_before_anything_starts(args, message, tmp_path):
@@ -97,7 +102,8 @@ def test_bad_options_exit_2_with_one_line_before_anything_starts(args, message, 
 
 
 _NONE = dict(strategies=None, periods=None, epochs=None, model=None, batch_size=None, lr=None, world_size=None,
-             topology=None, profile_dir=None)
+             topology=None, profile_dir=None, momentum=None, slowmo_momentum=None, slowmo_lr=None,
+             warmup_steps=None, optimizer_state=None, lr_schedule=None)
 
 
 @pytest.mark.parametrize(("given", "expect"), [
@@ -109,9 +115,13 @@ _NONE = dict(strategies=None, periods=None, epochs=None, model=None, batch_size=
                                                 epochs=3, quick=True)),  # --quick caps the epochs, as it always did
     ({"strategies": "cpdp", "world_size": 4, "topology": "cluster", "lr": 0.05},
      BenchConfig(strategies=("cpdp",), world_size=4, topology="cluster", lr=0.05)),
+    ({"momentum": 0.0, "slowmo_momentum": 0.7, "slowmo_lr": 0.5, "warmup_steps": 8, "optimizer_state": "average",
+      "lr_schedule": "cosine"},
+     BenchConfig(momentum=0.0, slowmo_momentum=0.7, slowmo_lr=0.5, warmup_steps=8, optimizer_state="average",
+                 lr_schedule="cosine")),
 ])
 def test_options_resolve_to_the_config(given, expect):
-    kw = {**_NONE, "quick": False, "dataset": "digits", "data_dir": None, "momentum": 0.0, "seeds": 1, **given}
+    kw = {**_NONE, "quick": False, "dataset": None, "data_dir": None, "seeds": 1, **given}
     assert _bench_config(**kw) == expect
 
 
@@ -119,13 +129,13 @@ def test_help_documents_the_configs_defaults():
     bench = typer.main.get_command(app).commands["bench"]  # type: ignore[attr-defined]
     documented = {p.name: str(p.show_default).split(";")[0].strip() for p in bench.params
                   if isinstance(p.show_default, str)}
-    quick = _bench_config(**{**_NONE, "quick": True, "dataset": "digits", "data_dir": None, "momentum": 0.0,
-                             "seeds": 1})
+    quick = _bench_config(**{**_NONE, "quick": True, "dataset": None, "data_dir": None, "seeds": 1})
     config = BenchConfig()
     assert documented.pop("strategies") == "all" and config.strategies == BENCH_STRATEGIES
     assert documented.pop("periods") == ",".join(map(str, config.periods))
     assert documented == {name: str(getattr(config, name)) for name in documented}
-    assert set(documented) == {"model", "epochs", "batch_size", "lr", "world_size", "topology"}
+    assert set(documented) == {"model", "dataset", "epochs", "batch_size", "lr", "world_size", "topology", "momentum",
+                               "slowmo_momentum", "slowmo_lr", "warmup_steps", "optimizer_state", "lr_schedule"}
     quick_doc = {p.name: str(p.show_default).split("--quick:")[1].strip() for p in bench.params
                  if isinstance(p.show_default, str) and "--quick:" in p.show_default}
     assert quick_doc == {"strategies": ",".join(quick.strategies), "periods": ",".join(map(str, quick.periods)),
@@ -133,4 +143,5 @@ def test_help_documents_the_configs_defaults():
     result = CliRunner().invoke(app, ["bench", "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0 and "sharding" in result.output
     assert all(name in result.output for name in BENCH_STRATEGIES)
-    assert "--steps" not in result.output and "--optimizer" not in result.output  # the sharding suite's
+    # the sharding suite's (--optimizer-state is the main job's)
+    assert "--steps" not in result.output and not re.search(r"--optimizer(?![-\w])", result.output)

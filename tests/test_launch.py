@@ -105,7 +105,8 @@ def test_cli_bad_toml_field_is_one_line_and_exit_2(tmp_path: Path) -> None:
     result = runner.invoke(app, ["topology", "show", str(path)], env={"COLUMNS": "300"})
     assert result.exit_code == 2
     assert result.stderr.strip() == (
-        f"error: {path} [tiers.LAN]: unknown key 'latency_ms'; use one of bandwidth_bytes_per_s, bandwidth_jitter_frac, latency_jitter_frac, latency_s"
+        f"error: {path} [tiers.LAN]: unknown key 'latency_ms'; use one of bandwidth_bytes_per_s, "
+        "bandwidth_jitter_frac, latency_jitter_frac, latency_s"
     )
 
 

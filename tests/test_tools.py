@@ -121,8 +121,9 @@ def _seed_run(strategy: str, period: int | None, *, acc: float, wall: float, exp
 
 
 def _bench_json(tmp_path: Path) -> Path:
-    config = {"strategies": ["ddp", "cpdp", "localsgd-torch"], "periods": [4], "model": "cnn", "dataset": "digits",
-              "data_dir": None, "epochs": 2, "batch_size": 32, "lr": 0.1, "momentum": 0.0, "slowmo_momentum": 0.5,
+    config = {"strategies": ["ddp", "cpdp", "localsgd-torch"], "periods": [4], "model": "char-mlp",
+              "dataset": "stdlib-text", "data_dir": None, "epochs": 2, "batch_size": 128, "lr": 0.1, "momentum": 0.9,
+              "slowmo_momentum": 0.5,
               "world_size": 2, "topology": "wan", "seeds": 1, "quick": False, "profile_dir": None}
     runs = [_seed_run("ddp", None, acc=0.975, wall=10.0, exposed=0.018, nbytes=153_100.0, colls=1.0),
             _seed_run("localsgd-torch", 4, acc=0.97, wall=3.0, exposed=0.0045, nbytes=38_275.0, colls=0.25),
@@ -138,7 +139,7 @@ def test_docs_tables_renders_the_bench_table_and_goals(tmp_path: Path) -> None:
     text, report = docs_tables.render(_bench_json(tmp_path))
     assert docs_tables.kind_of(report) == "main"
     lines = text.splitlines()
-    assert lines[0] == "### cnn on digits, 2 ranks, topology wan, lr 0.1, 2 epochs, 1 seed(s)"
+    assert lines[0] == "### char-mlp on stdlib-text, 2 ranks, topology wan, lr 0.1, 2 epochs, 1 seed(s)"
     assert lines[2].startswith("`cpdpkit bench --strategies ddp,cpdp,localsgd-torch --periods 4 --epochs 2 --json ")
     assert ("| strategy | status | peak acc % | final acc % | Δ pp | wall s | Δ wall % | step ms | exposed ms/step "
             "| coll/step | KB/step | harness s |") in lines

@@ -26,15 +26,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from cpdpkit.cli._bench_plot import plot_accuracy_vs_wall  # the plot `cpdpkit bench --plot` draws
+
 ROOT = Path(__file__).resolve().parents[1]
 
 MAIN_COLUMNS = ("strategy", "status", "peak acc %", "final acc %", "Δ pp", "wall s", "Δ wall %", "step ms",
                 "exposed ms/step", "coll/step", "KB/step", "harness s")
 # `cpdpkit bench` defaults (cpdpkit/bench/config.py BenchConfig), to print the shortest command that
-# reproduces a run; kept here so this tool needs no torch. A stale default only lengthens the command.
+# reproduces a run; kept here so this tool needs no torch. A stale default prints a wrong command:
+# tests/test_bench_stats.py checks these against BenchConfig().
 MAIN_DEFAULTS = {"strategies": ["ddp", "localsgd-torch", "localsgd", "slowmo", "cpdp"], "periods": [2, 4],
-                 "model": "cnn", "dataset": "digits", "data_dir": None, "epochs": 30, "batch_size": 32, "lr": 0.1,
-                 "momentum": 0.0, "world_size": 2, "topology": "wan", "seeds": 1, "profile_dir": None}
+                 "model": "char-mlp", "dataset": "stdlib-text", "data_dir": None, "epochs": 4, "batch_size": 128,
+                 "lr": 0.1,
+                 "momentum": 0.9, "slowmo_momentum": 0.5, "slowmo_lr": 1.0, "warmup_steps": 0,
+                 "optimizer_state": "keep", "lr_schedule": "constant", "world_size": 2, "topology": "wan", "seeds": 1,
+                 "profile_dir": None, "augment": False, "max_images": None}
 MAIN_QUICK = {"strategies": ["ddp", "localsgd-torch", "cpdp"], "periods": [4], "epochs": 3}
 SHARDING_DEFAULTS = {"strategies": ["fsdp2", "hsdp", "planned", "two-stage"], "model": "gpt-tiny", "world_size": 4,
                      "topology": "cluster-slow-ib", "batch_size": 4, "lr": 0.003, "steps": 10, "optimizer": "adamw",
@@ -104,6 +110,19 @@ def _written(path: Path) -> str:
 
 
 # ---- the main job: cpdpkit bench ---------------------------------------------------------------
+def significant(ci: list[float] | None) -> bool:
+    """Whether a 95 % CI ``[low, high]`` excludes 0 (as cpdpkit.bench.report.significant)."""
+    return ci is not None and (ci[0] > 0.0 or ci[1] < 0.0)
+
+
+def _delta(value: float | None, spec: str, ci: list[float] | None, *, show_ci: bool) -> str:
+    """As the CLI's table: ``+1.23 [+0.40, +2.06]*``; the CI only when defined, ``*`` when it excludes 0."""
+    text = _num(value, spec, signed=True)
+    if ci is not None and show_ci:
+        text += f" [{ci[0]:+{spec}}, {ci[1]:+{spec}}]"
+    return text + ("*" if significant(ci) else "")
+
+
 def main_rows(report: dict[str, Any]) -> list[list[str]]:
     """The rows of ``cpdpkit bench``'s table, formatted as the CLI prints them."""
     rows = []
@@ -116,8 +135,9 @@ def main_rows(report: dict[str, Any]) -> list[list[str]]:
         wall = f"{r['wall_s']:.2f}±{sd.get('wall_s', 0.0):.2f}"
         rows.append([
             _label(r), r["status"], acc, _num(r["final_test_acc"] * 100, ".2f"),
-            _num(r.get("delta_acc_pp_vs_ddp"), ".2f", signed=True), wall,
-            _num(r.get("delta_wall_pct_vs_ddp"), ".1f", signed=True), _num(r["step_s"] * 1e3, ".2f"),
+            _delta(r.get("delta_acc_pp_vs_ddp"), ".2f", r.get("delta_acc_ci95_pp"), show_ci=True), wall,
+            _delta(r.get("delta_wall_pct_vs_ddp"), ".1f", r.get("delta_wall_ci95_s"), show_ci=False),
+            _num(r["step_s"] * 1e3, ".2f"),
             _num(r["exposed_sync_s_per_step"] * 1e3, ".2f"), _num(r["collectives_per_step"], ".2f"),
             _num(r["bytes_per_step"] / 1e3, ".1f"), _num(r.get("harness_overhead_s"), ".1f"),
         ])
@@ -170,35 +190,14 @@ def render_main(report: dict[str, Any], path: Path) -> str:
                f"lr {cfg['lr']}, {cfg['epochs']} epochs, {cfg['seeds']} seed(s)")
     out = [f"### {caption}", "",
            f"`{main_command(cfg, path)}` (written {_written(path)}; "
-           "mean ± std over seeds; Δ vs ddp; exposed = time the training loop waited on communication; "
+           "mean ± std over seeds; Δ vs ddp, paired by seed, [95 % CI]; * = the CI excludes 0 (Δ wall %: of the "
+           "paired wall-clock difference); exposed = time the training loop waited on communication; "
            "harness = launch, data, evaluation, not in wall s)", "",
            markdown_table(MAIN_COLUMNS, main_rows(report))]
     goals = main_goals(report)
     if goals:
         out += ["", markdown_table(["goal", "measured", ""], goals)]
     return "\n".join(out) + "\n"
-
-
-def plot_main(report: dict[str, Any], path: Path) -> None:
-    """Test accuracy against wall clock, one curve per strategy (as ``cpdpkit bench --plot``)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in report["results"]:
-        curve = r.get("curve") or []
-        if curve:
-            ax.plot([p["wall_s"] for p in curve], [p["test_acc"] * 100 for p in curve], marker=".", label=_label(r))
-    ax.set_xlabel("wall-clock training time (s)")
-    ax.set_ylabel("test accuracy (%)")
-    ax.set_title(f"test accuracy vs wall clock ({report['config']['topology']})")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 # ---- the sharding suite: cpdpkit bench sharding -------------------------------------------------
@@ -301,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --plot needs exactly one cpdpkit bench result among the files, got {len(mains)}",
                   file=sys.stderr)
             return 2
-        plot_main(mains[0], args.plot)
+        plot_accuracy_vs_wall(mains[0], args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     if not sections:
         print("error: none of the files is a cpdpkit bench result", file=sys.stderr)

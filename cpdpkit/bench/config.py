@@ -9,14 +9,19 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from cpdpkit.bench.augment import IMAGE_DATASETS
 from cpdpkit.bench.data import DATASETS, find_cifar100
+from cpdpkit.bench.image_folders import find_tiny_imagenet
 from cpdpkit.bench.models import check_model_available
+from cpdpkit.bench.text import check_corpus
 from cpdpkit.errors import ConfigError
+from cpdpkit.sync.config import STATE_POLICIES
 
-__all__ = ["BENCH_STRATEGIES", "PERIODIC", "BenchConfig", "RunSpec"]
+__all__ = ["BENCH_STRATEGIES", "LR_SCHEDULES", "PERIODIC", "BenchConfig", "RunSpec"]
 
 BENCH_STRATEGIES = ("ddp", "localsgd-torch", "localsgd", "slowmo", "cpdp")
 PERIODIC = ("localsgd-torch", "localsgd", "slowmo", "cpdp")
+LR_SCHEDULES = ("constant", "cosine", "step")  # built by cpdpkit.bench.strategies.build_lr_scheduler
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,6 +41,13 @@ class RunSpec:
     slowmo_momentum: float
     quick: bool
     profile_dir: str | None = None
+    # BenchConfig always passes these; the defaults keep older spec.json files readable
+    slowmo_lr: float = 1.0
+    warmup_steps: int = 0
+    optimizer_state: str = "keep"
+    lr_schedule: str = "constant"
+    augment: bool = False
+    max_images: int | None = None
 
     @property
     def label(self) -> str:
@@ -56,23 +68,29 @@ def _positive(name: str, value: Any, fix: str) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class BenchConfig:
-    """The comparison ``cpdpkit bench`` runs (defaults: the CPDP paper's setting, on digits)."""
+    """The comparison ``cpdpkit bench`` runs (defaults: the CPDP paper's setting, on stdlib-text)."""
 
     strategies: tuple[str, ...] = BENCH_STRATEGIES
     periods: tuple[int, ...] = (2, 4)
-    model: str = "cnn"
-    dataset: str = "digits"
+    model: str = "char-mlp"  # the default workload, cpdpkit.bench.text; digits: --model cnn --epochs 30 --batch-size 32
+    dataset: str = "stdlib-text"
     data_dir: str | None = None
-    epochs: int = 30
-    batch_size: int = 32
+    epochs: int = 4
+    batch_size: int = 128
     lr: float = 0.1
-    momentum: float = 0.0
+    momentum: float = 0.9
     slowmo_momentum: float = 0.5
+    slowmo_lr: float = 1.0
+    warmup_steps: int = 0
+    optimizer_state: str = "keep"
+    lr_schedule: str = "constant"
     world_size: int = 2
     topology: str = "wan"
     seeds: int = 1
     quick: bool = False
     profile_dir: str | None = None
+    augment: bool = False  # random crop (padding 4) + horizontal flip of training batches
+    max_images: int | None = None  # use at most this many training and this many test images
 
     def __post_init__(self) -> None:
         for s in self.strategies:
@@ -93,7 +111,16 @@ class BenchConfig:
             if self.data_dir is None:
                 raise ConfigError("--dataset cifar100 needs --data-dir: the folder holding cifar-100-python/")
             find_cifar100(self.data_dir)
+        if self.dataset == "tinyimagenet":
+            find_tiny_imagenet(self.data_dir)  # names --data-dir and the layouts it reads
+        if self.max_images is not None and (isinstance(self.max_images, bool) or not isinstance(self.max_images, int)
+                                            or self.max_images < 1):
+            raise ConfigError(f"max_images must be an integer >= 1 or None, got {self.max_images!r}: e.g. 64")
+        if self.augment and self.dataset not in IMAGE_DATASETS:
+            raise ConfigError(f"--augment crops and flips images, and --dataset {self.dataset} holds none: "
+                              "pass --no-augment")
         check_model_available(self.model)
+        self._check_model_fits_data()
         for name, value, fix in (
             ("--epochs", self.epochs, "e.g. --epochs 30"),
             ("--batch-size", self.batch_size, "e.g. --batch-size 32"),
@@ -104,6 +131,33 @@ class BenchConfig:
             _positive(name, value, fix)
         if not 0.0 <= self.momentum < 1.0:
             raise ConfigError(f"--momentum must be in [0, 1), got {self.momentum!r}: e.g. --momentum 0.9")
+        self._check_sync_options()
+
+    def _check_model_fits_data(self) -> None:
+        """Character ids and images need different models: refuse a mismatch before any launch."""
+        if self.dataset == "stdlib-text":
+            check_corpus()  # a missing corpus file: one line now, not a failed run later
+            if self.model != "char-mlp":
+                raise ConfigError(f"--model {self.model} needs images, but --dataset stdlib-text holds character "
+                                  "ids: use --model char-mlp (or an image data set such as --dataset digits)")
+        elif self.model == "char-mlp":
+            raise ConfigError(f"--model char-mlp reads character ids, but --dataset {self.dataset} holds images: "
+                              "use --model cnn (or --dataset stdlib-text)")
+
+    def _check_sync_options(self) -> None:
+        if not 0.0 <= self.slowmo_momentum < 1.0:
+            raise ConfigError(f"--slowmo-momentum must be in [0, 1), got {self.slowmo_momentum!r}: "
+                              "SlowMo's β is usually 0.5-0.8, e.g. --slowmo-momentum 0.5")
+        _positive("--slowmo-lr", self.slowmo_lr, "e.g. --slowmo-lr 1.0 (SlowMo's default α)")
+        if not isinstance(self.warmup_steps, int) or isinstance(self.warmup_steps, bool) or self.warmup_steps < 0:
+            raise ConfigError(f"--warmup-steps must be an integer >= 0, got {self.warmup_steps!r}: "
+                              "e.g. --warmup-steps 0 for no warm-up")
+        for flag, value, choices, example in (
+            ("--optimizer-state", self.optimizer_state, STATE_POLICIES, "keep"),
+            ("--lr-schedule", self.lr_schedule, LR_SCHEDULES, "cosine"),
+        ):
+            if value not in choices:
+                raise ConfigError(f"{flag} {value!r} is not one of {', '.join(choices)}: e.g. {flag} {example}")
 
     def runs(self) -> list[RunSpec]:
         """Every (strategy, period, seed) to run, ddp first (the baseline)."""
@@ -116,7 +170,9 @@ class BenchConfig:
                         dataset=self.dataset, data_dir=self.data_dir,
                         epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
                         momentum=self.momentum, slowmo_momentum=self.slowmo_momentum,
-                        quick=self.quick, profile_dir=self.profile_dir,
+                        quick=self.quick, profile_dir=self.profile_dir, slowmo_lr=self.slowmo_lr,
+                        warmup_steps=self.warmup_steps, optimizer_state=self.optimizer_state,
+                        lr_schedule=self.lr_schedule, augment=self.augment, max_images=self.max_images,
                     ))
         return out
 

@@ -4,7 +4,9 @@ Nothing is downloaded. ``digits`` is scikit-learn's bundled 8x8 handwritten digi
 ``synthetic`` is generated from a seed; ``cifar100`` reads a copy already on disk in either
 official layout: ``cifar-100-python/{train,test}`` (pickled dicts, read with an unpickler that
 admits only numpy arrays and builtins) or ``cifar-100-binary/{train,test}.bin`` (fixed-size
-records: coarse label, fine label, 3072 pixel bytes).
+records: coarse label, fine label, 3072 pixel bytes). ``tinyimagenet`` reads TinyImageNet (or any
+ImageFolder) on disk: :mod:`cpdpkit.bench.image_folders`. ``stdlib-text`` is next-character
+prediction on Python's own standard library (:mod:`cpdpkit.bench.text`).
 
 The train/test split is fixed (it never depends on the run's seed), so every strategy and
 every seed sees the same held-out set.
@@ -14,36 +16,20 @@ from __future__ import annotations
 
 import io
 import pickle
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from cpdpkit.bench.dataset import CIFAR_MEAN, CIFAR_STD, Dataset
+from cpdpkit.bench.image_folders import load_tiny_imagenet
+from cpdpkit.bench.text import load_stdlib_text
 from cpdpkit.errors import ConfigError
 
 __all__ = ["DATASETS", "Dataset", "load_dataset", "find_cifar100"]
 
-DATASETS = ("digits", "synthetic", "cifar100")
-_CIFAR_MEAN = np.array([0.5071, 0.4865, 0.4409], dtype=np.float32)
-_CIFAR_STD = np.array([0.2673, 0.2564, 0.2762], dtype=np.float32)
+DATASETS = ("digits", "synthetic", "cifar100", "tinyimagenet", "stdlib-text")
 _CIFAR_RECORD = 2 + 3072
-
-
-@dataclass(frozen=True)
-class Dataset:
-    """Tensors of one data set, images as (N, C, H, W) float32 and labels as int64."""
-
-    name: str
-    x_train: torch.Tensor
-    y_train: torch.Tensor
-    x_test: torch.Tensor
-    y_test: torch.Tensor
-    num_classes: int
-
-    @property
-    def input_shape(self) -> tuple[int, ...]:
-        return tuple(self.x_train.shape[1:])
 
 
 def _split(name: str, x: torch.Tensor, y: torch.Tensor, num_classes: int) -> Dataset:
@@ -130,7 +116,7 @@ def _cifar100(data_dir: str | Path, quick: bool) -> Dataset:
         images, labels = read(folder / (split if layout == "python" else f"{split}.bin"))
         if quick:
             images, labels = images[:2000], labels[:2000]
-        x = (images.astype(np.float32) / 255.0 - _CIFAR_MEAN[:, None, None]) / _CIFAR_STD[:, None, None]
+        x = (images.astype(np.float32) / 255.0 - CIFAR_MEAN[:, None, None]) / CIFAR_STD[:, None, None]
         sets.append((torch.from_numpy(x), torch.from_numpy(labels)))
     (xtr, ytr), (xte, yte) = sets
     return Dataset("cifar100", xtr, ytr, xte, yte, 100)
@@ -146,4 +132,8 @@ def load_dataset(name: str, *, data_dir: str | Path | None = None, quick: bool =
         if data_dir is None:
             raise ConfigError("--dataset cifar100 needs --data-dir: the folder holding cifar-100-python/")
         return _cifar100(data_dir, quick)
+    if name == "tinyimagenet":  # or any ImageFolder: cpdpkit.bench.image_folders
+        return load_tiny_imagenet(data_dir, quick=quick)
+    if name == "stdlib-text":  # next-character prediction on Python's stdlib: cpdpkit.bench.text
+        return load_stdlib_text(quick=quick)
     raise ConfigError(f"unknown dataset {name!r}: choose one of {', '.join(DATASETS)}")

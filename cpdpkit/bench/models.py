@@ -1,4 +1,5 @@
-"""Models for ``cpdpkit bench``: a small CNN, and torchvision's ResNet-18/50 and ViT-S when installed."""
+"""Models for ``cpdpkit bench``: a small CNN, ResNet-50 with a CIFAR stem (ours), and torchvision's
+ResNet-18/50 and ViT-S when installed; ``char-mlp`` for the ``stdlib-text`` data set (:mod:`cpdpkit.bench.text`)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,13 @@ import importlib.util
 
 from torch import nn
 
+from cpdpkit.bench.resnet_cifar import resnet50_cifar
+from cpdpkit.bench.text import CharMLP
 from cpdpkit.errors import ConfigError
 
 __all__ = ["MODELS", "build_model", "check_model_available"]
 
-MODELS = ("cnn", "resnet18", "resnet50", "vit-s")
+MODELS = ("cnn", "resnet18", "resnet50", "vit-s", "resnet50-cifar", "char-mlp")
 _TORCHVISION = ("resnet18", "resnet50", "vit-s")
 
 
@@ -44,9 +47,18 @@ def check_model_available(name: str) -> None:
 
 def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     check_model_available(name)
+    if (name == "char-mlp") != (len(input_shape) == 1):  # character ids are (T,), images (C, H, W)
+        if name == "char-mlp":
+            raise ConfigError(f"model 'char-mlp' reads character ids (--dataset stdlib-text), not inputs of "
+                              f"shape {input_shape}: use --model cnn")
+        raise ConfigError(f"model {name!r} needs images, but the data set holds character ids: use --model char-mlp")
+    if name == "char-mlp":
+        return CharMLP(input_shape[0], num_classes)
     channels = input_shape[0]
     if name == "cnn":
         return SmallCNN(channels, num_classes)
+    if name == "resnet50-cifar":  # ours (cpdpkit.bench.resnet_cifar): no torchvision needed
+        return resnet50_cifar(num_classes, in_channels=channels)
     import torchvision
 
     if name in ("resnet18", "resnet50"):

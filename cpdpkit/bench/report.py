@@ -2,6 +2,12 @@
 
 Analysis only: this module returns data (``BenchReport.to_dict()`` is the ``--json``
 schema); tables and plots are drawn by the CLI layer.
+
+Differences to ``ddp`` are paired by seed: seed ``i`` of every strategy sees the same data order
+and initial parameters, so the per-seed differences ``d_i`` cancel what the seed alone explains.
+With ``n`` seeds where both finished, the difference is ``mean(d)`` and its 95 % confidence
+interval ``mean(d) ± t(0.975, n-1) · sd(d) / √n`` (none for ``n < 2``). A difference is
+*significant* when that interval excludes 0.
 """
 
 from __future__ import annotations
@@ -11,10 +17,52 @@ import statistics
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-__all__ = ["StrategyResult", "BenchReport", "aggregate"]
+__all__ = ["StrategyResult", "BenchReport", "aggregate", "paired_difference", "significant",
+           "t_quantile_975"]
 
 _MEAN_KEYS = ("peak_test_acc", "final_test_acc", "wall_s", "step_s", "exposed_sync_s_per_step",
               "bytes_per_step", "collectives_per_step")
+
+
+# Student's t, 0.975 quantile, for 1..30 degrees of freedom (beyond: the expansion below).
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+         2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+         2.052, 2.048, 2.045, 2.042)
+_Z975 = 1.959963984540054
+
+
+def t_quantile_975(df: int) -> float:
+    """Student's t 0.975 quantile with ``df`` degrees of freedom (the two-sided 95 % factor)."""
+    if not isinstance(df, int) or df < 1:
+        raise ValueError(f"degrees of freedom must be an integer >= 1, got {df!r}")
+    if df <= len(_T975):
+        return _T975[df - 1]
+    # Cornish-Fisher expansion around the normal quantile (Abramowitz & Stegun 26.7.5):
+    # off by < 1e-5 for df > 30, where no table entry is needed.
+    z = _Z975
+    g1 = (z**3 + z) / 4
+    g2 = (5 * z**5 + 16 * z**3 + 3 * z) / 96
+    g3 = (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384
+    return z + g1 / df + g2 / df**2 + g3 / df**3
+
+
+def paired_difference(diffs: list[float]) -> tuple[float | None, tuple[float, float] | None]:
+    """``(mean, (low, high))`` of per-seed differences: the mean and its 95 % t interval.
+
+    ``(None, None)`` without a difference; the interval is None for a single one.
+    """
+    if not diffs:
+        return None, None
+    mean = statistics.fmean(diffs)
+    if len(diffs) < 2:
+        return mean, None
+    half = t_quantile_975(len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
+    return mean, (mean - half, mean + half)
+
+
+def significant(ci: tuple[float, float] | list[float] | None) -> bool:
+    """Whether a confidence interval excludes 0 (False when there is none)."""
+    return ci is not None and (ci[0] > 0.0 or ci[1] < 0.0)
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
@@ -35,8 +83,12 @@ class StrategyResult:
     stds: dict[str, float]
     seeds: tuple[dict[str, Any], ...]
     harness_s: float
-    delta_acc_pp: float | None = None
-    delta_wall_pct: float | None = None
+    delta_acc_pp: float | None = None  # mean over paired seeds of (peak acc - ddp's) x 100
+    delta_acc_ci95_pp: tuple[float, float] | None = None
+    delta_wall_pct: float | None = None  # ratio of the mean wall clocks, minus 1, x 100
+    delta_wall_s: float | None = None  # mean over paired seeds of (wall_s - ddp's)
+    delta_wall_ci95_s: tuple[float, float] | None = None
+    paired_seeds: int = 0  # seeds where this strategy and ddp both finished
     curve: tuple[dict[str, float], ...] = field(default_factory=tuple)
 
     @property
@@ -48,9 +100,16 @@ class StrategyResult:
             "strategy": self.strategy, "period": self.period, "status": self.status,
             "reasons": list(self.reasons), **self.means,
             "std": self.stds, "delta_acc_pp_vs_ddp": self.delta_acc_pp,
-            "delta_wall_pct_vs_ddp": self.delta_wall_pct, "harness_overhead_s": self.harness_s,
+            "delta_acc_ci95_pp": _as_list(self.delta_acc_ci95_pp),
+            "delta_wall_pct_vs_ddp": self.delta_wall_pct, "delta_wall_s_vs_ddp": self.delta_wall_s,
+            "delta_wall_ci95_s": _as_list(self.delta_wall_ci95_s),
+            "paired_seeds_vs_ddp": self.paired_seeds, "harness_overhead_s": self.harness_s,
             "curve": list(self.curve), "seeds": list(self.seeds),
         }
+
+
+def _as_list(ci: tuple[float, float] | None) -> list[float] | None:
+    return None if ci is None else [ci[0], ci[1]]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,19 +130,20 @@ class BenchReport:
 def _seed_entry(run: dict[str, Any]) -> dict[str, Any]:
     keep = ("status", "reason", "peak_test_acc", "final_test_acc", "wall_s", "step_s", "steps",
             "exposed_sync_s_per_step", "bytes_per_step", "collectives_per_step", "final_loss",
-            "harness_s", "launch_s")
+            "harness_s", "launch_s", "curve", "dataset_info")
     return {"seed": run["spec"]["seed"], **{k: run.get(k) for k in keep}}
 
 
 def _mean_curve(runs: list[dict[str, Any]]) -> tuple[dict[str, float], ...]:
+    """Per epoch: mean wall clock and accuracy over the seeds, and the accuracy's std (0 for one)."""
     curves = [r.get("curve") or [] for r in runs]
     length = min((len(c) for c in curves), default=0)
-    return tuple(
-        {"epoch": i + 1,
-         "wall_s": statistics.fmean(c[i]["wall_s"] for c in curves),
-         "test_acc": statistics.fmean(c[i]["test_acc"] for c in curves)}
-        for i in range(length)
-    )
+    out = []
+    for i in range(length):
+        acc, acc_std = _mean_std([c[i]["test_acc"] for c in curves])
+        out.append({"epoch": i + 1, "wall_s": statistics.fmean(c[i]["wall_s"] for c in curves),
+                    "test_acc": acc, "test_acc_std": acc_std})
+    return tuple(out)
 
 
 def _one(strategy: str, period: int | None, runs: list[dict[str, Any]]) -> StrategyResult:
@@ -111,13 +171,26 @@ def aggregate(config: dict[str, Any], runs: list[dict[str, Any]]) -> BenchReport
     results = [_one(s, p, grouped[(s, p)]) for s, p in order]
     base = next((r for r in results if r.strategy == "ddp" and r.status == "ok"), None)
     if base is not None:
-        results = [_with_delta(r, base) for r in results]
+        base_runs = grouped[("ddp", None)]
+        results = [_with_delta(r, base, grouped[(r.strategy, r.period)], base_runs) for r in results]
     return BenchReport(config=config, results=tuple(results))
 
 
-def _with_delta(r: StrategyResult, base: StrategyResult) -> StrategyResult:
+def _by_seed(runs: list[dict[str, Any]], key: str) -> dict[int, float]:
+    return {r["spec"]["seed"]: float(r[key]) for r in runs if r.get("status") == "ok"}
+
+
+def _with_delta(r: StrategyResult, base: StrategyResult, runs: list[dict[str, Any]],
+                base_runs: list[dict[str, Any]]) -> StrategyResult:
     if r.status != "ok":
         return r
-    acc = (r.means["peak_test_acc"] - base.means["peak_test_acc"]) * 100.0
-    wall = (r.means["wall_s"] / base.means["wall_s"] - 1.0) * 100.0
-    return replace(r, delta_acc_pp=acc, delta_wall_pct=wall)
+    acc, base_acc = _by_seed(runs, "peak_test_acc"), _by_seed(base_runs, "peak_test_acc")
+    wall, base_wall = _by_seed(runs, "wall_s"), _by_seed(base_runs, "wall_s")
+    paired = sorted(set(acc) & set(base_acc))
+    delta_acc, acc_ci = paired_difference([(acc[i] - base_acc[i]) * 100.0 for i in paired])
+    delta_wall, wall_ci = paired_difference([wall[i] - base_wall[i] for i in paired])
+    if r is base:  # the baseline's difference to itself is 0 by construction, not an estimate
+        acc_ci = wall_ci = None
+    wall_pct = (r.means["wall_s"] / base.means["wall_s"] - 1.0) * 100.0
+    return replace(r, delta_acc_pp=delta_acc, delta_acc_ci95_pp=acc_ci, delta_wall_pct=wall_pct,
+                   delta_wall_s=delta_wall, delta_wall_ci95_s=wall_ci, paired_seeds=len(paired))

@@ -5,6 +5,12 @@
   warmup_steps=K-1)`` on the plain module (the real peer).
 * ``localsgd``, ``slowmo``, ``cpdp``: :class:`cpdpkit.sync.PeriodicSyncOptimizer`.
 
+Every strategy's inner optimizer is SGD (``lr``, ``momentum``), and the LR schedule
+(:func:`build_lr_scheduler`) applies to all of them, stepped after every optimizer step: on the
+wrapper for ours (a complete torch ``Optimizer``), on the plain SGD for ``ddp``, on the SGD inside
+``PostLocalSGDOptimizer`` for ``localsgd-torch`` (the same param groups). SlowMo's options, the
+warm-up and the optimizer-state policy exist only in ours.
+
 Exposed synchronisation time is "seconds the training loop was blocked on communication",
 measured the same way for all: ``PeriodicSyncOptimizer.stats.blocked_s`` for ours; for
 ``localsgd-torch`` the wall time of the averager's call when it communicates; for ``ddp``,
@@ -23,9 +29,28 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cpdpkit.bench.config import LR_SCHEDULES
 from cpdpkit.sync import PeriodicSyncOptimizer
 
-__all__ = ["Meter", "StrategyRunner", "build_strategy"]
+__all__ = ["Meter", "StrategyRunner", "build_lr_scheduler", "build_strategy"]
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, schedule: str,
+                       total_steps: int) -> torch.optim.lr_scheduler.LRScheduler | None:
+    """The per-step LR schedule of a run of ``total_steps`` optimizer steps (None: constant).
+
+    ``cosine``: ``CosineAnnealingLR(T_max=total_steps)``, from ``lr`` down to 0 at the end.
+    ``step``: ``MultiStepLR`` dividing the lr by 10 after 50 % and again after 75 % of the steps.
+    """
+    from torch.optim.lr_scheduler import CosineAnnealingLR, MultiStepLR
+
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"unknown LR schedule {schedule!r}: choose one of {', '.join(LR_SCHEDULES)}")
+    if schedule == "constant":
+        return None
+    if schedule == "cosine":
+        return CosineAnnealingLR(optimizer, T_max=max(1, total_steps))
+    return MultiStepLR(optimizer, milestones=[total_steps // 2, (3 * total_steps) // 4], gamma=0.1)
 
 
 @dataclass
@@ -47,6 +72,7 @@ class StrategyRunner:
     def __init__(self, module: nn.Module, forward: nn.Module, optimizer: Any) -> None:
         self.module, self._forward, self.optimizer = module, forward, optimizer
         self.meter = Meter()
+        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         self.optimizer.zero_grad()
@@ -54,6 +80,8 @@ class StrategyRunner:
         loss.backward()
         self._after_backward()
         self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
         return float(loss.detach())
 
     def _after_backward(self) -> None:
@@ -125,19 +153,36 @@ class _TorchDDP(StrategyRunner):
 
 
 def build_strategy(strategy: str, period: int | None, module: nn.Module, *, lr: float,
-                   momentum: float, slowmo_momentum: float) -> StrategyRunner:
-    """The runner for ``strategy`` (one of :data:`cpdpkit.bench.config.BENCH_STRATEGIES`)."""
+                   momentum: float, slowmo_momentum: float, slowmo_lr: float = 1.0,
+                   warmup_steps: int = 0, optimizer_state: str = "keep",
+                   lr_schedule: str = "constant", total_steps: int = 1) -> StrategyRunner:
+    """The runner for ``strategy`` (one of :data:`cpdpkit.bench.config.BENCH_STRATEGIES`).
+
+    ``slowmo_lr``, ``warmup_steps`` and ``optimizer_state`` go to :class:`PeriodicSyncOptimizer`
+    only; ``lr_schedule`` over ``total_steps`` applies to every strategy.
+    """
     def sgd(params: Any) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=lr, momentum=momentum)
 
+    runner: StrategyRunner
     if strategy == "ddp":
-        return _TorchDDP(module, sgd)
-    assert period is not None
-    if strategy == "localsgd-torch":
+        runner = _TorchDDP(module, sgd)
+        scheduled = runner.optimizer
+    elif strategy == "localsgd-torch":
+        assert period is not None
         with torch.no_grad():  # PostLocalSGD does not broadcast; DDP would at construction
             for t in [*module.parameters(), *module.buffers()]:
                 dist.broadcast(t, src=0)
-        return _TorchLocalSGD(module, sgd(module.parameters()), period)
-    opt = PeriodicSyncOptimizer(sgd(module.parameters()), model=module, strategy=strategy,
-                                period=period, slowmo_momentum=slowmo_momentum)
-    return _Ours(module, module, opt)
+        # PostLocalSGDOptimizer is not a complete torch Optimizer: schedule the SGD inside it
+        scheduled = sgd(module.parameters())
+        runner = _TorchLocalSGD(module, scheduled, period)
+    else:
+        assert period is not None
+        opt = PeriodicSyncOptimizer(sgd(module.parameters()), model=module, strategy=strategy,
+                                    period=period, slowmo_momentum=slowmo_momentum,
+                                    slowmo_lr=slowmo_lr, warmup_steps=warmup_steps,
+                                    optimizer_state=optimizer_state)
+        runner = _Ours(module, module, opt)
+        scheduled = opt
+    runner.scheduler = build_lr_scheduler(scheduled, lr_schedule, total_steps)
+    return runner

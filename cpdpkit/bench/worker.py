@@ -24,8 +24,10 @@ import torch.distributed as dist
 from torch import nn
 
 from cpdpkit.bench._rank_io import PROGRESS_FILE, RESULT_FILE, SPEC_FILE, finish_rank
+from cpdpkit.bench.augment import epoch_augmenter, first_images
 from cpdpkit.bench.config import RunSpec
-from cpdpkit.bench.data import Dataset, load_dataset
+from cpdpkit.bench.data import load_dataset
+from cpdpkit.bench.dataset import Dataset
 from cpdpkit.bench.models import build_model
 from cpdpkit.bench.strategies import StrategyRunner, build_strategy
 
@@ -71,7 +73,10 @@ def _train(spec: RunSpec, runner: StrategyRunner, data: Dataset, run_dir: Path,
     for epoch in range(spec.epochs):
         dist.barrier()
         start = time.perf_counter()
+        augment = epoch_augmenter(spec, epoch, rank, data.input_shape[0])  # None unless spec.augment
         for x, y in _epoch_batches(spec, data, epoch, rank, world):
+            if augment is not None:  # training batches only; evaluation sees the test set as it is
+                x = augment(x)
             loss = runner.train_step(x, y)
             steps += 1
             if prof is not None:
@@ -117,13 +122,18 @@ def main(argv: list[str] | None = None) -> None:
     spec = RunSpec.from_dict(json.loads((run_dir / SPEC_FILE).read_text()))
     t0 = time.perf_counter()
     torch.set_num_threads(1)
-    info = init_distributed()
+    info = init_distributed(jitter_seed=spec.seed)  # paired seeds see the same network draws
     rank, world = info.rank, info.world_size
-    data = load_dataset(spec.dataset, data_dir=spec.data_dir, quick=spec.quick)
+    data = first_images(load_dataset(spec.dataset, data_dir=spec.data_dir, quick=spec.quick), spec.max_images)
     torch.manual_seed(spec.seed)
     module = build_model(spec.model, data.input_shape, data.num_classes)
+    # the LR schedule spans the whole run: every epoch has len(x_train) // (batch * world) steps
+    total_steps = spec.epochs * (len(data.x_train) // (spec.batch_size * world))
     runner = build_strategy(spec.strategy, spec.period, module, lr=spec.lr,
-                            momentum=spec.momentum, slowmo_momentum=spec.slowmo_momentum)
+                            momentum=spec.momentum, slowmo_momentum=spec.slowmo_momentum,
+                            slowmo_lr=spec.slowmo_lr, warmup_steps=spec.warmup_steps,
+                            optimizer_state=spec.optimizer_state, lr_schedule=spec.lr_schedule,
+                            total_steps=total_steps)
     setup_s = time.perf_counter() - t0
     with _profiled(spec) as prof:
         out = _train(spec, runner, data, run_dir, rank, world, prof)
@@ -133,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     steps = max(out["steps"], 1)
     wall = max((p["wall_s"] for p in out["curve"]), default=out["train_s"])
     result = {
-        "spec": spec.to_dict(), "status": out["status"], "reason": out["reason"],
+        "spec": spec.to_dict(), "status": out["status"], "reason": out["reason"], "dataset_info": data.info,
         "world_size": world, "topology": info.topology.name if info.topology else None,
         "peak_test_acc": max((p["test_acc"] for p in out["curve"]), default=math.nan),
         "final_test_acc": out["curve"][-1]["test_acc"] if out["curve"] else math.nan,

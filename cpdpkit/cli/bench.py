@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 from typer.core import TyperGroup
 
+from cpdpkit.cli._bench_plot import plot_accuracy_vs_wall
 from cpdpkit.cli._bench_sharding import run_sharding_suite, sharding_config
 from cpdpkit.cli.app import app, err_console, out_console
 from cpdpkit.errors import ConfigError
@@ -77,11 +78,16 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 def _bench_config(*, strategies: str | None, periods: str | None, epochs: int | None, quick: bool,
-                  **kw: Any) -> BenchConfig:
-    """The main job's BenchConfig: the options given, else ``--quick``'s reduced defaults, else BenchConfig's."""
+                  preset: str | None = None, **kw: Any) -> BenchConfig:
+    """The main job's BenchConfig: the options given (not None), else ``--quick``'s reduced defaults, else the
+    preset's settings, else BenchConfig's."""
     from cpdpkit.bench.config import BenchConfig
 
     args = {name: value for name, value in kw.items() if value is not None}
+    if preset is not None:
+        from cpdpkit.bench.presets import apply_preset
+
+        args = apply_preset(preset, args, quick=quick)
     if strategies is not None:
         args["strategies"] = _names(strategies)
     elif quick:
@@ -105,20 +111,41 @@ def bench(
                                              "slowmo, cpdp.", show_default="all; --quick: ddp,localsgd-torch,cpdp"),
     periods: str | None = typer.Option(None, help="K values for the periodic strategies.",
                                           show_default="2,4; --quick: 4"),
-    model: str | None = typer.Option(None, help="cnn | resnet18 | resnet50 | vit-s (torchvision).",
-                                        show_default="cnn"),
-    dataset: str = typer.Option("digits", help="digits | synthetic | cifar100."),
-    data_dir: str | None = typer.Option(None, help="Folder holding CIFAR-100 (cifar100 only)."),
+    model: str | None = typer.Option(None, help="char-mlp (next character) | cnn | resnet50-cifar (ResNet-50, 3x3 "
+                                        "stem, no torchvision) | resnet18 | resnet50 | vit-s (torchvision).",
+                                     show_default="char-mlp"),
+    dataset: str | None = typer.Option(None, help="stdlib-text (next character of Python's own standard library "
+                                          "source) | digits | synthetic | cifar100 | tinyimagenet.",
+                                       show_default="stdlib-text"),
+    data_dir: str | None = typer.Option(None, help="Folder holding CIFAR-100 or TinyImageNet (cifar100, "
+                                           "tinyimagenet); nothing is downloaded."),
+    preset: str | None = typer.Option(None, help="paper: the CPDP paper's main setting (resnet50-cifar on cifar100, "
+                                         "or --dataset tinyimagenet, from --data-dir; lr 0.1 constant, momentum 0.9, "
+                                         "batch 128, 200 epochs, --augment, periods 2,4, wan; with --quick: batch 4, "
+                                         "64 images). Options given override it."),
+    augment: bool | None = typer.Option(None, "--augment/--no-augment", show_default=False,
+                                        help="Random crop (padding 4) and horizontal flip of training batches, "
+                                             "seeded per (seed, epoch, rank). Off by default; on with --preset paper."),
     epochs: int | None = typer.Option(None, help="Passes over the training set.",
-                                         show_default="30; --quick: at most 3"),
-    batch_size: int | None = typer.Option(None, help="Per-rank batch size.", show_default="32"),
+                                         show_default="4; --quick: at most 3"),
+    batch_size: int | None = typer.Option(None, help="Per-rank batch size.", show_default="128"),
     lr: float | None = typer.Option(None, help="Learning rate (fixed, the paper's main setting).",
                                        show_default="0.1"),
-    momentum: float = typer.Option(0.0, help="Inner SGD momentum."),
+    momentum: float | None = typer.Option(None, help="Inner SGD momentum (every strategy).", show_default="0.9"),
+    slowmo_momentum: float | None = typer.Option(None, help="SlowMo's β (slowmo, cpdp).", show_default="0.5"),
+    slowmo_lr: float | None = typer.Option(None, help="SlowMo's α (slowmo, cpdp).", show_default="1.0"),
+    warmup_steps: int | None = typer.Option(None, help="Steps of gradient all-reduce before the periodic phase "
+                                               "(localsgd, slowmo, cpdp).", show_default="0"),
+    optimizer_state: str | None = typer.Option(None, help="keep | average | reset: the inner optimizer's state at "
+                                                  "each reconciliation (localsgd, slowmo, cpdp).", show_default="keep"),
+    lr_schedule: str | None = typer.Option(None, help="constant | cosine (CosineAnnealingLR over all steps) | step "
+                                              "(lr / 10 at 50 % and 75 % of the steps); every strategy.",
+                                              show_default="constant"),
     world_size: int | None = typer.Option(None, help="Ranks per run.", show_default="2"),
     topology: str | None = typer.Option(None, help="Topology preset or TOML file to emulate.",
                                            show_default="wan"),
-    seeds: int = typer.Option(1, help="Seeds per strategy (mean ± std)."),
+    seeds: int = typer.Option(1, help="Seeds per strategy (mean ± std; with >= 2, a 95 % CI of each "
+                                      "difference to ddp, paired by seed)."),
     quick: bool = typer.Option(False, "--quick", help="A small smoke run (well under a minute)."),
     profile: str | None = typer.Option(None, "--profile", help="Write traces for every run under DIR."),
     json_out: str | None = typer.Option(None, "--json", help="Write the results as JSON to FILE."),
@@ -151,8 +178,10 @@ def bench(
                           f"{given[0]} ...")
     config = _bench_config(
         strategies=strategies, periods=periods, model=model, dataset=dataset, data_dir=data_dir, epochs=epochs,
-        batch_size=batch_size, lr=lr, momentum=momentum, world_size=world_size, topology=topology, seeds=seeds,
-        quick=quick, profile_dir=profile,
+        batch_size=batch_size, lr=lr, momentum=momentum, slowmo_momentum=slowmo_momentum, slowmo_lr=slowmo_lr,
+        warmup_steps=warmup_steps, optimizer_state=optimizer_state, lr_schedule=lr_schedule,
+        world_size=world_size, topology=topology, seeds=seeds,
+        quick=quick, profile_dir=profile, augment=augment, preset=preset,
     )
     _run_main(config, json_out=json_out, plot=plot, work_dir=work_dir)
 
@@ -203,7 +232,7 @@ def _run_main(config: BenchConfig, *, json_out: str | None, plot: str | None, wo
         Path(json_out).write_text(json.dumps(report.to_dict(), indent=1))
         out_console.print(f"wrote {json_out}")
     if plot:
-        _plot(report, Path(plot))
+        plot_accuracy_vs_wall(report.to_dict(), Path(plot))
         out_console.print(f"wrote {plot}")
 
 
@@ -238,12 +267,23 @@ def _fmt(value: float | None, spec: str, signed: bool = False) -> str:
     return format(value, ("+" if signed else "") + spec)
 
 
+def _delta(value: float | None, spec: str, ci: tuple[float, float] | None, *, show_ci: bool) -> str:
+    """``+1.23``, with ``[low, high]`` of its 95 % CI when shown and a ``*`` when that excludes 0."""
+    from cpdpkit.bench.report import significant
+
+    text = _fmt(value, spec, True)
+    if ci is not None and show_ci:
+        text += f" [{ci[0]:+{spec}}, {ci[1]:+{spec}}]"
+    return text + ("*" if significant(ci) else "")
+
+
 def _row(r: StrategyResult) -> list[str]:
     m, sd = r.means, r.stds
     acc = f"{m['peak_test_acc'] * 100:.2f}±{sd['peak_test_acc'] * 100:.2f}"
     return [r.label, r.status, acc, _fmt(m["final_test_acc"] * 100, ".2f"),
-            _fmt(r.delta_acc_pp, ".2f", True), f"{m['wall_s']:.2f}±{sd['wall_s']:.2f}",
-            _fmt(r.delta_wall_pct, ".1f", True), _fmt(m["step_s"] * 1e3, ".2f"),
+            _delta(r.delta_acc_pp, ".2f", r.delta_acc_ci95_pp, show_ci=True),
+            f"{m['wall_s']:.2f}±{sd['wall_s']:.2f}",
+            _delta(r.delta_wall_pct, ".1f", r.delta_wall_ci95_s, show_ci=False), _fmt(m["step_s"] * 1e3, ".2f"),
             _fmt(m["exposed_sync_s_per_step"] * 1e3, ".2f"),
             _fmt(m["collectives_per_step"], ".2f"), _fmt(m["bytes_per_step"] / 1e3, ".1f"),
             _fmt(r.harness_s, ".1f")]
@@ -260,29 +300,10 @@ def _table(report: BenchReport) -> Table:
                 "step ms", "exposed ms/step", "coll/step", "KB/step", "harness s"):
         table.add_column(col, justify="left" if col in ("strategy", "status") else "right",
                          no_wrap=True)
-    table.caption = ("Δ vs ddp; exposed = time the training loop waited on communication; "
+    table.caption = ("Δ vs ddp, paired by seed, [95 % CI]; * = the CI excludes 0 (Δ wall %: of the paired "
+                     "wall-clock difference); exposed = time the training loop waited on communication; "
                      "harness = launch, data, evaluation (not in wall s)")
     for r in report.results:
         table.add_row(*_row(r))
     return table
 
-
-def _plot(report: BenchReport, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in report.results:
-        if r.curve:
-            ax.plot([p["wall_s"] for p in r.curve], [p["test_acc"] * 100 for p in r.curve],
-                    marker=".", label=r.label)
-    ax.set_xlabel("wall-clock training time (s)")
-    ax.set_ylabel("test accuracy (%)")
-    ax.set_title(f"test accuracy vs wall clock ({report.config['topology']})")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

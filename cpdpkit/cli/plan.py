@@ -36,7 +36,8 @@ _TFLOPS_SHOWN = "125"
 def plan(
     model: str = typer.Option(..., "--model",
                               help="Preset (resnet50, vit-s, llama-7b, llama-70b) or package.module:factory."),
-    topology: str = typer.Option("cluster", "--topology", help="Topology preset (lan, wan, wan-variable, cluster) or a .toml path."),
+    topology: str = typer.Option("cluster", "--topology",
+                                 help="Topology preset (lan, wan, wan-variable, cluster) or a .toml path."),
     world_size: int = typer.Option(..., "--world-size", help="Number of ranks."),
     ranks_per_node: int | None = typer.Option(None, "--ranks-per-node", help="Override the topology's node size."),
     memory_budget: str = typer.Option(DEFAULT_BUDGET, "--memory-budget",
