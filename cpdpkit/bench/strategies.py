@@ -153,13 +153,13 @@ class _TorchDDP(StrategyRunner):
 
 
 def build_strategy(strategy: str, period: int | None, module: nn.Module, *, lr: float,
-                   momentum: float, slowmo_momentum: float, slowmo_lr: float = 1.0,
-                   warmup_steps: int = 0, optimizer_state: str = "keep",
-                   lr_schedule: str = "constant", total_steps: int = 1) -> StrategyRunner:
+                   momentum: float, slowmo_momentum: float, slowmo_lr: float, warmup_steps: int,
+                   optimizer_state: str, lr_schedule: str, total_steps: int) -> StrategyRunner:
     """The runner for ``strategy`` (one of :data:`cpdpkit.bench.config.BENCH_STRATEGIES`).
 
     ``slowmo_lr``, ``warmup_steps`` and ``optimizer_state`` go to :class:`PeriodicSyncOptimizer`
-    only; ``lr_schedule`` over ``total_steps`` applies to every strategy.
+    only; ``lr_schedule`` over ``total_steps`` applies to every strategy. No defaults here: they
+    live in :class:`~cpdpkit.bench.config.BenchConfig` (one source).
     """
     def sgd(params: Any) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=lr, momentum=momentum)

@@ -57,13 +57,19 @@ def _average_model_accuracy(module: nn.Module, data: Dataset, world: int) -> flo
     return correct / len(data.x_test)
 
 
+def _steps_per_epoch(spec: RunSpec, data: Dataset, world: int) -> int:
+    """Optimizer steps in one epoch: full global batches only (the last partial one is dropped)."""
+    return len(data.x_train) // (spec.batch_size * world)
+
+
 def _epoch_batches(spec: RunSpec, data: Dataset, epoch: int, rank: int, world: int):
     """This rank's batches: one global shuffle per (seed, epoch), dealt round-robin."""
     g = torch.Generator().manual_seed(1_000_003 * spec.seed + epoch)
     order = torch.randperm(len(data.x_train), generator=g)
     per_step = spec.batch_size * world
-    for start in range(0, len(order) - per_step + 1, per_step):
-        idx = order[start + rank * spec.batch_size : start + (rank + 1) * spec.batch_size]
+    for step in range(_steps_per_epoch(spec, data, world)):
+        start = step * per_step + rank * spec.batch_size
+        idx = order[start : start + spec.batch_size]
         yield data.x_train[idx], data.y_train[idx]
 
 
@@ -127,8 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     data = first_images(load_dataset(spec.dataset, data_dir=spec.data_dir, quick=spec.quick), spec.max_images)
     torch.manual_seed(spec.seed)
     module = build_model(spec.model, data.input_shape, data.num_classes)
-    # the LR schedule spans the whole run: every epoch has len(x_train) // (batch * world) steps
-    total_steps = spec.epochs * (len(data.x_train) // (spec.batch_size * world))
+    total_steps = spec.epochs * _steps_per_epoch(spec, data, world)  # the LR schedule spans the run
     runner = build_strategy(spec.strategy, spec.period, module, lr=spec.lr,
                             momentum=spec.momentum, slowmo_momentum=spec.slowmo_momentum,
                             slowmo_lr=spec.slowmo_lr, warmup_steps=spec.warmup_steps,
