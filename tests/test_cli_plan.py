@@ -23,8 +23,13 @@ def test_plan_llama70b_tables_and_json(tmp_path):
     assert result.exit_code == 0, result.output
     for text in ("hsdp-node+state", "fully_shard units: 81 (FSDP2 default: 81)", "plan vs FSDP2 default",
                  "layers.0 ... layers.79", "NVLINK bytes sent", "IB time", "predicted comm time", "fits 80.00 GiB",
-                 "FSDP2 alone cannot execute that"):
+                 "FSDP2 alone cannot execute that", "candidates evaluated: 8", "why hsdp-node+state: fastest of the 3 "
+                 "candidates that fit 80.00 GiB", "partial would be"):
         assert text in result.output, text
+    chosen = [line for line in result.output.splitlines() if line.startswith("│ * ")]
+    assert len(chosen) == 1 and "hsdp-node+state" in chosen[0]
+    rows = [line for line in result.output.splitlines() if " ms │" in line]  # the candidates table's rows
+    assert len(rows) == 8 and sum(line.rstrip().endswith("NO │") for line in rows) == 5  # over 80 GiB
     data = json.loads(out.read_text())
     summary = data["summary"]
     assert SUMMARY_KEYS <= set(summary)
@@ -34,6 +39,24 @@ def test_plan_llama70b_tables_and_json(tmp_path):
     assert summary["max_rank_bytes"] < summary["baseline"]["max_rank_bytes"]
     plan = ShardingPlan.load(out)
     assert plan.to_dict() == data["plan"] and plan.mesh.shape == (8, 8)
+    assert len(data["plan"]["candidates"]) == 8 and data["plan"]["choice_reason"] == summary["choice_reason"]
+    assert plan.choice_reason in " ".join(result.output.split())
+
+
+def test_plan_param_sharding_replicated_says_why(tmp_path):
+    out = tmp_path / "partial.json"
+    result = CliRunner().invoke(app, ["plan", "--model", "llama-7b", "--world-size", "16", "--param-sharding",
+                                      "replicated", "--json", str(out)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    for text in ("partial, planned in", "units (parameters replicated): 33", "replicated", "peak memory, plain DDP",
+                 "why partial: the only candidate (param_sharding='replicated'), and it fits 80.00 GiB",
+                 "two-stage exchange schedule on the IB link"):
+        assert text in result.output, text
+    plan = ShardingPlan.load(out)
+    assert (plan.strategy, plan.param_sharding, plan.state_sharding.axis) == ("partial", "replicated", "world")
+    assert len(plan.candidates) == 1 and plan.candidates[0].chosen
+    bad = CliRunner().invoke(app, ["plan", "--model", "llama-7b", "--world-size", "16", "--param-sharding", "both"])
+    assert bad.exit_code == 2 and "Traceback" not in bad.output
 
 
 def test_plan_vit_shows_balance_gain_over_fsdp2():
@@ -57,6 +80,8 @@ def test_plan_module_factory():
     (["--model", "llama-70b", "--world-size", "64", "--memory-budget", "10GiB"],
      "error: memory budget 10.00 GiB per rank is too small for llama-70b on 64 ranks"),
     (["--model", "llama-7b", "--world-size", "8", "--memory-budget", "lots"], "error: size 'lots' is not understood"),
+    (["--model", "vit-s", "--topology", "lan", "--world-size", "4", "--param-sharding", "replicated"],
+     "error: param_sharding = 'replicated' needs at least 2 nodes"),
 ])
 def test_plan_errors_are_one_line_and_exit_2(args, message):
     result = CliRunner().invoke(app, ["plan", *args])

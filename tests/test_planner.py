@@ -15,6 +15,7 @@ from cpdpkit.planner import (
     PlannerConfig,
     PlannerError,
     ShardingPlan,
+    format_bytes,
     fsdp2_default_plan,
     model_preset,
     parse_bytes,
@@ -265,3 +266,186 @@ def test_every_preset_plans_on_1024_ranks(name):
     s = plan.summary()
     assert s["max_rank_bytes"] / s["mean_rank_bytes"] <= 1.01
     assert len(plan.rank_bytes.optim_bytes) == 1024
+
+
+# ---- partially sharded data parallelism (param_sharding = "replicated") ------------------------------
+def _partial_spec() -> ModelSpec:
+    """Root ``b`` (8), block 0 ``w`` (5x3 = 15), block 1 ``v`` (4x4 = 16): 39 elements."""
+    return ModelSpec(name="small", params=(ParamSpec(fqn="b", shape=(8,)), ParamSpec(fqn="w", shape=(5, 3), block=0),
+                                           ParamSpec(fqn="v", shape=(4, 4), block=1)),
+                     blocks=(BlockSpec(fqn="blk0", container="blocks"), BlockSpec(fqn="blk1", container="blocks")))
+
+
+PARTIAL = dataclasses.replace(FP32, param_sharding="replicated", min_unit_bytes=1)
+
+
+def test_partial_plan_bytes_and_memory_by_hand():
+    plan = plan_sharding(_partial_spec(), "wan", world_size=4, config=PARTIAL)  # 2 sites x 1 node x 2 ranks
+    assert (plan.strategy, plan.param_sharding) == ("partial", "replicated")
+    assert plan.mesh.shape == (2, 2) and plan.mesh.dim_names == ("replicate", "shard")
+    assert (plan.mesh.shard_tier, plan.mesh.replicate_tier) == ("LAN", "WAN")
+    assert plan.state_sharding.to_dict() == {"axis": "world", "num_partitions": 4, "executed_by_fsdp2": False}
+    assert [(u.name, u.numel, u.padded_numel, u.reshard_after_forward) for u in plan.units] == [
+        ("<root>", 8, 8, False), ("blk0", 15, 15, False), ("blk1", 16, 16, False)]
+    assert plan.placements == () and plan.all_gather_order == ()
+    rb = plan.rank_bytes
+    # rank j*2+i owns chunk j of node slice i; node slices ceil(n/2), chunks ceil(n/4):
+    # root 8 -> 2/2/2/2; blk0 15 -> slices 8, 7 -> 4/4 | 4/3 (rank 3 short); blk1 16 -> 4 each
+    assert rb.param_bytes == (39 * 4,) * 4  # replicated
+    assert rb.grad_bytes == (40, 40, 40, 36) and rb.optim_bytes == (80, 80, 80, 72)
+    assert (rb.padded_param_bytes, rb.padded_grad_bytes) == (156, 40)  # Σ ceil(n/4) = 2 + 4 + 4
+    # gradients 4·max(root 8 + 2·16, 2·8) = 160; node slices (4 + 4)·ceil(16/2) = 64; in-node all-gather 4·16
+    assert rb.buffer_bytes == 160 + 64 + 64
+    assert rb.peak_bytes == 156 + (4 + 8) * 10 + 288
+    assert rb.fsdp2_peak_bytes == (4 + 4 + 8) * 39  # plain DDP
+    phases = [(c.name, c.op, c.axis, c.tier, c.collective_bytes, c.wire_bytes_per_rank) for c in plan.comm]
+    assert phases == [  # in-node: n·4 bytes (32, 60, 64); across nodes: ceil(n/2)·4 bytes (16, 32, 32); p = 2
+        ("gradient reduce-scatter", "reduce_scatter", "shard", "LAN", 156, 78),
+        ("gradient reduce-scatter", "reduce_scatter", "replicate", "WAN", 80, 40),
+        ("parameter all-gather", "all_gather", "replicate", "WAN", 80, 40),
+        ("parameter all-gather", "all_gather", "shard", "LAN", 156, 78)]
+    topo = plan.topology
+    lan, wan = topo.group(range(2)), topo.group(range(0, 4, 2))
+    expect = sum(lan.time_s(op, n) + wan.time_s(op, m)
+                 for op in ("reduce_scatter", "all_gather") for n, m in ((32, 16), (60, 32), (64, 32)))
+    assert plan.predicted_comm_s_per_step == pytest.approx(expect, rel=1e-12)
+    assert plan.tier_bytes_per_step == {"LAN": 156, "WAN": 80}
+    sched = plan.schedule  # the across-node exchange of each unit's node slice
+    assert sched is not None and [s.num_bytes for s in sched.slots] == [16, 32, 32] and sched.tier == "WAN"
+
+
+@pytest.mark.parametrize(("topology", "world_size", "rpn"), [
+    ("cluster", 4, 2), ("cluster", 16, None), ("cluster", 64, None), ("wan", 4, None), ("wan", 16, None),
+    ("wan", 64, None)])
+@pytest.mark.parametrize("model", ["vit-s", "llama-7b"])
+def test_partial_sends_no_more_than_a_ring_all_reduce_on_any_tier(topology, world_size, rpn, model):
+    plan = plan_sharding(model, topology, world_size=world_size, ranks_per_node=rpn,
+                         config=PlannerConfig(param_sharding="replicated"))
+    ddp = plan.topology.group(range(world_size)).cost("all_reduce", plan.num_params * plan.config.grad_bytes)
+    assert not any(c.op == "all_gather" and c.axis == "shard" and "forward" in c.name for c in plan.comm)
+    for tier, sent in plan.tier_bytes_per_step.items():
+        assert sent <= 1.01 * ddp.wire_bytes, (tier, sent, ddp.wire_bytes)
+    assert sum(plan.tier_bytes_per_step.values()) > 0
+
+
+def _as_fast_sharded(plan):
+    """The partial candidate and the sharded candidate as fast as it (hsdp-node+state, no reshard)."""
+    (partial,) = [c for c in plan.candidates if c.param_sharding == "replicated"]
+    (twin,) = [c for c in plan.candidates if c.strategy == "hsdp-node+state" and c.reshard_after_forward is False]
+    return partial, twin
+
+
+def test_partial_is_chosen_when_it_is_fastest_and_fits_and_not_when_it_does_not_fit():
+    free = plan_sharding("llama-7b", "cluster", world_size=16)
+    partial, twin = _as_fast_sharded(free)
+    assert partial.time_s == pytest.approx(twin.time_s, rel=1e-3) and partial.peak_bytes < twin.peak_bytes
+    # a tie keeps parameters sharded (and says so)
+    assert free.strategy == "hsdp-node+state" and free.param_sharding == "sharded"
+    assert "partial is as fast and needs" in free.choice_reason and "param_sharding='replicated'" in free.choice_reason
+    # a budget between the two: every sharded plan as fast no longer fits, partial does and wins
+    between = plan_sharding("llama-7b", "cluster", world_size=16,
+                            config=PlannerConfig(memory_budget_bytes=(partial.peak_bytes + twin.peak_bytes) // 2))
+    assert (between.strategy, between.mesh.shape, between.state_sharding.axis) == ("partial", (2, 8), "world")
+    assert between.choice_reason.startswith("fastest of the ")
+    assert (f"hsdp-node+state raf=False would be as fast but needs {format_bytes(twin.peak_bytes)}, over the budget"
+            in between.choice_reason)
+    assert [c.chosen for c in between.candidates].count(True) == 1
+    # a budget just below partial's peak: it does not fit and is not chosen
+    below = plan_sharding("llama-7b", "cluster", world_size=16,
+                          config=PlannerConfig(memory_budget_bytes=partial.peak_bytes - 1))
+    assert below.param_sharding == "sharded"
+    assert not [c for c in below.candidates if c.param_sharding == "replicated"][0].fits_budget
+    big = plan_sharding("llama-70b", "cluster", world_size=64, config=PlannerConfig(memory_budget_bytes=80 * GIB))
+    assert big.strategy == "hsdp-node+state"
+    assert "; partial would be 16.6 % faster but needs 148.69 GiB, over the budget" in big.choice_reason
+
+
+def test_candidates_are_every_evaluated_point():
+    plan = plan_sharding("llama-70b", "cluster", world_size=64, config=PlannerConfig(memory_budget_bytes=80 * GIB))
+    names = sorted((c.strategy, str(c.reshard_after_forward)) for c in plan.candidates)
+    assert names == sorted([("hsdp-node", "True"), ("hsdp-node", "False"), ("hsdp-node+state", "True"),
+                            ("hsdp-node+state", "False"), ("fsdp", "True"), ("fsdp", "False"), ("fsdp-hpz", "8"),
+                            ("partial", "False")])
+    (chosen,) = [c for c in plan.candidates if c.chosen]
+    assert (chosen.strategy, chosen.peak_bytes, chosen.time_s) == (
+        plan.strategy, plan.rank_bytes.peak_bytes, pytest.approx(plan.predicted_comm_s_per_step))
+    assert all(c.fits_budget == (c.peak_bytes <= 80 * GIB) for c in plan.candidates)
+    assert plan.choice_reason.startswith("fastest of the 3 candidates that fit 80.00 GiB (")
+    only = plan_sharding("llama-7b", "cluster", world_size=16, config=PlannerConfig(param_sharding="sharded"))
+    assert {c.param_sharding for c in only.candidates} == {"sharded"} and len(only.candidates) == 7
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"param_sharding": "both"},
+     "param_sharding = 'both' is invalid; use 'sharded', 'replicated' or None (consider both)"),
+    ({"param_sharding": "replicated", "allow_state_sharding": False},
+     "param_sharding = 'replicated' shards optimizer state across the world, which allow_state_sharding = False "
+     "forbids; allow state sharding or use 'sharded'"),
+    ({"param_sharding": "replicated", "reshard_after_forward": True},
+     "param_sharding = 'replicated' keeps parameters unsharded, so reshard_after_forward = True cannot hold; "
+     "leave it None or use 'sharded'"),
+])
+def test_param_sharding_config_errors(kwargs, message):
+    with pytest.raises(PlannerError) as err:
+        PlannerConfig(**kwargs)
+    assert str(err.value) == message
+
+
+def test_param_sharding_errors_that_need_the_topology():
+    with pytest.raises(PlannerError) as err:
+        plan_sharding("vit-s", "lan", world_size=4, config=PlannerConfig(param_sharding="replicated"))
+    assert str(err.value) == (
+        "param_sharding = 'replicated' needs at least 2 nodes (gradients and optimizer state shard inside a node, "
+        "then across nodes), but 'lan' places all 4 ranks on one node; use more ranks, --ranks-per-node, or "
+        "param_sharding 'sharded'")
+    with pytest.raises(PlannerError) as err:
+        plan_sharding("vit-s", "cluster", world_size=16, config=PlannerConfig(param_sharding="replicated",
+                                                                             shard_size=16))
+    assert str(err.value) == ("param_sharding = 'replicated' shards inside a node (8 ranks), which shard_size = 16 "
+                              "contradicts; leave shard_size None or set it to 8")
+    # with param_sharding None the partial candidate is simply left out
+    assert all(c.param_sharding == "sharded" for c in plan_sharding("vit-s", "lan", world_size=4).candidates)
+
+
+def test_partial_budget_error_names_what_would_fit():
+    with pytest.raises(PlannerError) as err:
+        plan_sharding("llama-70b", "cluster", world_size=64,
+                      config=PlannerConfig(param_sharding="replicated", memory_budget_bytes=80 * GIB))
+    assert str(err.value).startswith("memory budget 80.00 GiB per rank is too small for llama-70b on 64 ranks: the "
+                                     "leanest plan (partial) needs ")
+    assert "its replicated parameters and buffers alone exceed it on any number of ranks" in str(err.value)
+
+
+def test_partial_plan_json_round_trip_and_version_1_loads():
+    plan = plan_sharding("llama-7b", "cluster", world_size=16, config=PlannerConfig(param_sharding="replicated"))
+    again = ShardingPlan.from_json(plan.to_json())
+    assert again == plan and again.candidates == plan.candidates and again.param_sharding == "replicated"
+    sharded = plan_sharding("vit-s", "cluster", world_size=16)
+    data = json.loads(sharded.to_json())
+    assert data["format_version"] == 2 and len(data["candidates"]) == 8 and data["choice_reason"]
+    # what cpdpkit wrote before format 2: no param_sharding, candidates, choice_reason, nor schedule clip
+    v1 = {k: v for k, v in data.items() if k not in ("param_sharding", "candidates", "choice_reason")}
+    v1["format_version"] = 1
+    v1["schedule"] = {k: v for k, v in v1["schedule"].items() if k not in ("clip", "norm_s")}
+    old = ShardingPlan.from_dict(v1)
+    assert old == dataclasses.replace(sharded, candidates=(), choice_reason="")
+    assert old.param_sharding == "sharded"
+
+
+def test_partial_plans_on_1024_ranks_fast_enough_for_the_scale_tests():
+    plan = plan_sharding("llama-70b", "cluster", world_size=1024, config=PlannerConfig(param_sharding="replicated"))
+    assert plan.mesh.shape == (128, 8) and len(plan.rank_bytes.optim_bytes) == 1024
+    optim = np.asarray(plan.rank_bytes.optim_bytes)
+    assert optim.sum() == plan.num_params * plan.config.optim_state_bytes_per_param  # every element once
+    ceil_total = sum(-(-u.numel // 1024) for u in plan.units) * plan.config.optim_state_bytes_per_param
+    assert optim.max() == ceil_total == plan.rank_bytes.padded_grad_bytes // 2 * 12  # bf16 grads, 12 B state
+
+
+def test_partial_slices_are_the_padded_flat_layout():
+    from cpdpkit.planner._cost import partial_owned
+
+    # n = 9, S = 2, R = 2: node slices [0,5) and [5,9); chunks of 3: rank (j, i) = j*2 + i
+    assert partial_owned(9, 2, 2).tolist() == [3, 3, 2, 1]  # (0,0) [0,3) (0,1) [5,8) (1,0) [3,5) (1,1) [8,9)
+    for numel, s, r in [(9, 2, 2), (15, 2, 2), (1, 4, 2), (1000003, 8, 16), (7, 8, 3)]:
+        owned = partial_owned(numel, s, r)
+        assert owned.sum() == numel and owned.max() == -(-numel // (s * r))  # none above ceil(n/W)

@@ -109,6 +109,28 @@ def test_update_time_delays_the_release():
     assert sched.exposed_s == sched.naive_exposed_s == 2.25
 
 
+@pytest.mark.timeout(10)
+def test_clipped_step_waits_for_the_last_reduce_scatter_and_the_norm():
+    # A, B, C as in _three; reduce-scatters end at 3 (C), 5 (B), 7 (A); the norm's all-reduce takes 0.5 s:
+    # every release is 7 + 0.5 = 7.5, after backward (6): stage 1 is lost. EDF from 7.5: A [7.5,8.5] (deadline 6),
+    # B [8.5,9] (7), C [9,10] (8). Forward from 6: A waits to 8.5 and runs to 9.5; B (9) and C (10) are ready in time.
+    sched = schedule_two_stage(_timings(("A", 1, 2), ("B", 1, 2), ("C", 1, 2)), reduce_scatter_s=[1, 1, 1],
+                               all_gather_s=[1, 0.5, 1], num_bytes=[10, 20, 30], tier="IB", clip=True, norm_s=0.5)
+    s = _by_unit(sched)
+    assert [(s[u].release_s, s[u].start_s, s[u].end_s, s[u].stage, s[u].order) for u in "ABC"] == [
+        (7.5, 7.5, 8.5, 2, 0), (7.5, 8.5, 9, 2, 1), (7.5, 9, 10, 2, 2)]
+    assert [s[u].wait_s for u in "ABC"] == [2.5, 0, 0]
+    assert (sched.exposed_s, sched.makespan_s, sched.num_stage1) == (2.5, 11.5, 0)
+    assert (sched.naive_exposed_s, sched.naive_makespan_s, sched.lower_bound_exposed_s) == (4, 13, 2.5)
+    assert (sched.clip, sched.norm_s) == (True, 0.5)
+    unclipped = _three(ag_c=1.0)  # the step where clipping does not scale: two exchanges in stage 1
+    assert (unclipped.clip, unclipped.num_stage1, unclipped.exposed_s) == (False, 2, 2)
+    _check_invariants(sched)
+    with pytest.raises(ValueError, match="norm_s = -1 is invalid"):
+        schedule_two_stage(_timings(("A", 1, 1)), reduce_scatter_s=[1], all_gather_s=[1], num_bytes=[1], clip=True,
+                           norm_s=-1)
+
+
 # ---- invariants on random timelines ----------------------------------------------------------------
 @pytest.mark.timeout(10)
 def test_random_timelines_keep_every_invariant():
@@ -119,7 +141,8 @@ def test_random_timelines_keep_every_invariant():
                    for i in range(n)]
         sched = schedule_two_stage(timings, reduce_scatter_s=[rng.uniform(0, 2) for _ in range(n)],
                                    all_gather_s=[rng.uniform(0, 3) for _ in range(n)], num_bytes=[1] * n,
-                                   update_s=rng.choice([0.0, 0.1]))
+                                   update_s=rng.choice([0.0, 0.1]), clip=rng.random() < 0.3,
+                                   norm_s=rng.choice([0.0, 0.05]))
         _check_invariants(sched)
 
 
@@ -161,6 +184,32 @@ def test_plan_two_stage_inputs(llama7b):
 
 
 @pytest.mark.timeout(10)
+def test_plan_two_stage_clip_prices_the_norm_over_the_world(llama7b):
+    sched = plan_two_stage(llama7b, clip=True)
+    norm_s = preset("cluster", world_size=16).group(range(16)).time_s("all_reduce", 8)
+    last_rs = max(i.end_s for i in sched.link_intervals if i.kind == "reduce_scatter")
+    assert sched.clip and sched.norm_s == norm_s > 0
+    assert all(s.release_s == pytest.approx(last_rs + norm_s) and s.stage == 2 for s in sched.slots)
+    assert sched.exposed_s >= llama7b.schedule.exposed_s
+    _check_invariants(sched)
+
+
+@pytest.mark.timeout(10)
+def test_partial_plan_schedules_its_node_slices_across_nodes():
+    plan = plan_sharding("llama-7b", "cluster", world_size=16, config=PlannerConfig(param_sharding="replicated"))
+    sched = plan.schedule
+    assert sched is not None and sched.tier == "IB" and len(sched.slots) == len(plan.units)
+    (ag,) = [c for c in plan.comm if c.name == "parameter all-gather" and c.axis == "replicate"]
+    (rs,) = [c for c in plan.comm if c.name == "gradient reduce-scatter" and c.axis == "replicate"]
+    assert [s.num_bytes for s in sched.slots] == [-(-u.numel // 8) * 2 for u in plan.units]
+    assert sum(s.duration_s for s in sched.slots) == pytest.approx(ag.time_s)
+    reduce = [i for i in sched.link_intervals if i.kind == "reduce_scatter"]
+    assert sum(i.end_s - i.start_s for i in reduce) == pytest.approx(rs.time_s)
+    assert plan_two_stage(plan, update_s=0.001).update_s == 0.001  # the executor's call
+    _check_invariants(sched)
+
+
+@pytest.mark.timeout(10)
 def test_no_schedule_without_replicate_axis_or_state_sharding():
     assert plan_sharding("llama-7b", "cluster", world_size=16,
                          config=PlannerConfig(allow_state_sharding=False)).schedule is None
@@ -174,6 +223,8 @@ def test_json_round_trip(llama7b):
     assert TwoStageSchedule.from_dict(json.loads(json.dumps(sched.to_dict()))) == sched
     again = ShardingPlan.from_json(llama7b.to_json())
     assert again == llama7b and again.schedule == sched
+    old = {k: v for k, v in sched.to_dict().items() if k not in ("clip", "norm_s")}  # before clip was modeled
+    assert TwoStageSchedule.from_dict(old) == sched
 
 
 # ---- CLI ---------------------------------------------------------------------------------------------

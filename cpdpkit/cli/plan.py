@@ -10,7 +10,7 @@ import time
 from dataclasses import replace
 from itertools import groupby
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import typer
 from rich.table import Table
@@ -52,6 +52,9 @@ def plan(
     state_sharding: bool = typer.Option(True, "--state-sharding/--no-state-sharding",
                                         help="Allow optimizer-state sharding across replicas "
                                         "(FSDP2 alone cannot run it)."),
+    param_sharding: Literal["any", "sharded", "replicated"] = typer.Option(
+        "any", "--param-sharding", help="Parameters sharded (FSDP2-style plans), replicated (partially sharded "
+        "data parallelism: gradients and optimizer state sharded, node first), or any: consider both."),
     tokens_per_rank: int | None = typer.Option(None, "--tokens-per-rank", show_default=_TOKENS_PER_RANK_SHOWN,
                                                help="Tokens per rank per step, for the schedule's compute-time "
                                                "estimate."),
@@ -61,7 +64,7 @@ def plan(
                                        help="Print the two-stage exchange schedule (it stays in --json either way)."),
     json_out: Path | None = typer.Option(None, "--json", help="Write the plan and a summary to this JSON file."),
 ) -> None:
-    """Plan units, mesh, placements and state sharding; show them beside FSDP2's default."""
+    """Plan units, mesh, placements and state sharding; show them beside FSDP2's default and say why."""
     from cpdpkit.planner import (
         PlannerConfig,
         estimate_unit_timings,
@@ -80,7 +83,8 @@ def plan(
         raise ConfigError(f"--world-size must be >= 1, got {world_size}: pass --world-size 64")
     config = PlannerConfig(param_dtype=param_dtype, grad_dtype=grad_dtype, optim_state_bytes_per_param=optim_bytes,
                            memory_budget_bytes=None if memory_budget.lower() == "none" else parse_bytes(memory_budget),
-                           shard_size=shard_size, allow_state_sharding=state_sharding)
+                           shard_size=shard_size, allow_state_sharding=state_sharding,
+                           param_sharding=None if param_sharding == "any" else param_sharding)
     spec, topo = resolve_inputs(model, topology, world_size, ranks_per_node)
     start = time.perf_counter()
     chosen = plan_sharding(spec, topo, config=config)
@@ -110,6 +114,8 @@ def _count(n: float) -> str:
 
 
 def _placements(p: ShardingPlan, names: tuple[str, ...]) -> str:
+    if p.param_sharding == "replicated":
+        return "replicated"
     dims = {x.fqn: x.dim for x in p.placements}
     counts: dict[int, int] = {}
     for fqn in names:
@@ -118,7 +124,8 @@ def _placements(p: ShardingPlan, names: tuple[str, ...]) -> str:
 
 
 def _units_table(p: ShardingPlan, baseline: ShardingPlan) -> Table:
-    table = Table(title=f"fully_shard units: {len(p.units)} (FSDP2 default: {len(baseline.units)})")
+    kind = "units (parameters replicated)" if p.param_sharding == "replicated" else "fully_shard units"
+    table = Table(title=f"{kind}: {len(p.units)} (FSDP2 default: {len(baseline.units)})")
     for col in ("units", "count", "modules", "params each", "padded each", "reshard_after_forward", "placements"):
         table.add_column(col, justify="left" if col in ("units", "placements") else "right")
     key = lambda u: (u.numel, u.padded_numel, len(u.module_fqns), u.reshard_after_forward, u.is_root)  # noqa: E731
@@ -169,7 +176,9 @@ def _compare_table(p: ShardingPlan, b: ShardingPlan, summary: dict[str, Any]) ->
     row("predicted comm time", summary["predicted_comm_s_per_step"], base["predicted_comm_s_per_step"],
         lambda v: f"{v:.4f} s")
     row("peak memory", summary["peak_memory_bytes"], base["peak_memory_bytes"])
-    if p.state_sharding.axis is not None:
+    if p.param_sharding == "replicated":
+        row("peak memory, plain DDP", summary["fsdp2_peak_memory_bytes"], base["peak_memory_bytes"])
+    elif p.state_sharding.axis is not None:
         row("peak memory, FSDP2 alone", summary["fsdp2_peak_memory_bytes"], base["peak_memory_bytes"])
     budget = p.config.memory_budget_bytes
     if budget is not None:
@@ -201,6 +210,25 @@ def _comm_table(p: ShardingPlan) -> Table:
     return table
 
 
+def _candidates_table(p: ShardingPlan) -> Table:
+    from cpdpkit.planner import format_bytes
+
+    budget = p.config.memory_budget_bytes
+    title = f"candidates evaluated: {len(p.candidates)}, fastest first (* = chosen"
+    table = Table(title=title + (f"; fits {format_bytes(budget)})" if budget is not None else ")"))
+    for col in ("", "strategy", "params", "shard", "reshard_after_forward", "state", "time/step", "vs chosen",
+                "peak memory", "fits"):
+        table.add_column(col, justify="left" if col in ("", "strategy", "params", "state") else "right")
+    chosen = next((c for c in p.candidates if c.chosen), None)
+    for c in sorted(p.candidates, key=lambda c: (c.time_s, c.peak_bytes)):
+        state = ("world" if c.param_sharding == "replicated" else "replicate") if c.state_sharded else "-"
+        raf = "-" if c.param_sharding == "replicated" else str(c.reshard_after_forward)
+        vs = "" if chosen is None or c.chosen else _change(c.time_s, chosen.time_s)
+        table.add_row("*" if c.chosen else "", c.strategy, c.param_sharding, str(c.shard_size), raf, state,
+                      f"{c.time_s * 1e3:.2f} ms", vs, format_bytes(c.peak_bytes), "yes" if c.fits_budget else "NO")
+    return table
+
+
 def _render(p: ShardingPlan, baseline: ShardingPlan, summary: dict[str, Any]) -> None:
     topo = p.topology
     out_console.print(
@@ -210,6 +238,10 @@ def _render(p: ShardingPlan, baseline: ShardingPlan, summary: dict[str, Any]) ->
     out_console.print(_units_table(p, baseline))
     out_console.print(_compare_table(p, baseline, summary))
     out_console.print(_comm_table(p))
+    if p.candidates:
+        out_console.print(_candidates_table(p))
+    if p.choice_reason:
+        out_console.print(f"[bold]why {p.strategy}:[/bold] {p.choice_reason}", soft_wrap=True)
     for note in p.notes:
         out_console.print(f"[dim]note: {note}[/dim]", soft_wrap=True)
 

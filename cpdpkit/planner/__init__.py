@@ -6,14 +6,18 @@ frozen, JSON-serialisable :class:`ShardingPlan`: ``fully_shard`` units, an HSDP/
 per-parameter ``Shard(dim)`` placements, optimizer-state sharding across the replicate axis,
 per-rank bytes and per-tier traffic priced with the topology's α-β model, and (with state
 sharding) the two-stage schedule of the updated-parameter exchanges (:func:`plan_two_stage`).
+It also weighs *partially sharded data parallelism* (``param_sharding = "replicated"``,
+strategy ``partial``: parameters replicated, gradients and optimizer state sharded over the
+world, node first) and keeps every candidate it evaluated and why it chose (``candidates``,
+``choice_reason``).
 :func:`~cpdpkit.planner.apply.apply_plan` (imports torch) applies a plan with FSDP2.
 
 Imports point one way, all at module level: records that import no algorithm (``config``;
 ``model_spec``; ``timeline``, the schedule's records; ``plan``, which carries a ``timeline``
 schedule) <- ``presets`` (shapes, and :func:`load_model_spec` for any model input) and the
 algorithms ``_cost`` and ``schedule`` <- ``planner`` (the search). Only the torch-backed
-``apply_plan`` and ``TwoStageExecutor`` load late, through ``__getattr__``, so that importing
-this package does not import torch.
+``apply_plan``, ``TwoStageExecutor`` and ``PartialShardExecutor`` load late, through
+``__getattr__``, so that importing this package does not import torch.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 from cpdpkit.planner.config import PlannerConfig, PlannerError, format_bytes, parse_bytes
 from cpdpkit.planner.model_spec import BlockSpec, ModelSpec, ParamSpec
 from cpdpkit.planner.plan import (
+    CandidateSummary,
     CommPhase,
     MeshPlan,
     ParamPlacement,
@@ -38,6 +43,7 @@ from cpdpkit.planner.timeline import ExchangeSlot, LinkInterval, TwoStageSchedul
 
 __all__ = [
     "BlockSpec",
+    "CandidateSummary",
     "CommPhase",
     "ExchangeSlot",
     "LinkInterval",
@@ -46,6 +52,7 @@ __all__ = [
     "ModelSpec",
     "ParamPlacement",
     "ParamSpec",
+    "PartialShardExecutor",
     "PlannerConfig",
     "PlannerError",
     "RankBytes",
@@ -78,4 +85,8 @@ def __getattr__(name: str) -> Any:
         from cpdpkit.planner.executor import TwoStageExecutor
 
         return TwoStageExecutor
+    if name == "PartialShardExecutor":  # runs param_sharding="replicated" plans; imports torch
+        from cpdpkit.planner.partial import PartialShardExecutor
+
+        return PartialShardExecutor
     raise AttributeError(f"module 'cpdpkit.planner' has no attribute {name!r}")

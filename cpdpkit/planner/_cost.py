@@ -5,6 +5,37 @@ rank's index on the shard axis), never per rank × parameter, so 1,024 ranks cos
 Collective times and wire bytes come from the one network model: the
 :class:`~cpdpkit.network.NetworkGroup` that :meth:`cpdpkit.topology.Topology.group` gives each
 group, the same object the emulator asks, so a plan's bytes equal an emulated run's counts.
+
+**Partially sharded data parallelism** (``param_sharding = "replicated"``, strategy ``partial``;
+mesh ``(R, S)`` with ``S`` the ranks of a node). Parameters stay whole on every rank; a unit of
+``n`` elements (``L`` the largest unit, ``root`` the root unit, ``L_b`` the largest other unit;
+``c = ceil(n/S)``, ``d = ceil(c/R) = ceil(n/W)``) is, every step, per rank:
+
+* reduce-scattered inside the node (``n`` gradient elements in, ``c`` out: the node slice),
+* reduce-scattered across nodes (the node slice, ``c`` elements, ``d`` out),
+* updated (the rank's ``d``-element slice), all-gathered across nodes (``c`` out) and
+* all-gathered inside the node (``n`` out), back into the replicated parameters.
+
+No forward or backward all-gathers. On each link this sends at most what a ring all-reduce of
+the model sends (``2(S-1)/S·M`` inside a node, ``2(R-1)/R·M/S`` across nodes, against
+``2(W-1)/W·M``): the paper's "less memory without more communication". Rank ``(replica j,
+position i)`` owns chunk ``j`` of node slice ``i``: ``clip(clip(n - i·c, 0, c) - j·d, 0, d)``
+elements of each unit, the layout of padded flat collectives (at most ``d``, within one element
+of ``n/W``; ranks at a unit's padded end own fewer). Peak bytes per rank:
+
+    param_bytes·M                                         replicated parameters
+  + grad_bytes·Σd + optim_state_bytes_per_param·Σd        owned gradient slices, optimizer state
+                                                          (its fp32 master included: Adam's 12)
+  + grad_bytes·max(root + 2·L_b, 2·root)                  gradients: the executor flattens each
+                                                          unit's gradient and frees it (unit + flat
+                                                          copy; the root's head gradient lives
+                                                          through backward)
+  + (grad_bytes + param_bytes)·ceil(L/S) + param_bytes·L  communication buffers: the node slices of
+                                                          the gradient and of the updated
+                                                          parameters, the in-node all-gather output
+
+``fsdp2_peak_bytes`` of such a plan is plain DDP's ``(param + grad + optim)·M`` (FSDP2 cannot run
+it). Activations are not modeled, as for every plan.
 """
 
 from __future__ import annotations
@@ -20,7 +51,8 @@ from cpdpkit.planner.config import PlannerConfig, ceil_div
 from cpdpkit.planner.plan import CommPhase, RankBytes
 from cpdpkit.topology import Topology
 
-__all__ = ["Layout", "shard_layout", "UnitGeom", "CostModel", "Candidate", "Evaluation"]
+__all__ = ["Layout", "shard_layout", "UnitGeom", "CostModel", "Candidate", "Evaluation", "partial_owned",
+           "partial_comm_phases", "partial_rank_bytes"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +103,14 @@ class Candidate:
     shard_size: int
     reshard_after_forward: bool | int
     state_sharded: bool
+    param_sharding: str = "sharded"
+
+    @property
+    def label(self) -> str:
+        """The plan's ``strategy``: ``partial``, or the sharded kind with ``+state`` when it shards state."""
+        if self.param_sharding == "replicated":
+            return self.strategy
+        return self.strategy + ("+state" if self.state_sharded else "")
 
 
 @dataclass(frozen=True)
@@ -191,6 +231,65 @@ def _buffer_bytes(units: list[UnitGeom], pb: int, gb: int) -> int:
     return pb * (2 * largest + root + kept) + gb * 2 * largest
 
 
+# ---- partially sharded data parallelism (param_sharding = "replicated") ------------------------
+def partial_comm_phases(model: CostModel, units: list[UnitGeom], cand: Candidate,
+                        config: PlannerConfig) -> tuple[CommPhase, ...]:
+    """The four exchanges of a partial plan per step (module docstring), in step order."""
+    s, w = cand.shard_size, model.world_size
+    pb, gb = config.param_bytes, config.grad_bytes
+    shard, replicate = (0, s, 1), (0, w, s)
+    numels = [u.padded_numel for u in units]  # == numel: nothing is padded
+    slices = [ceil_div(n, s) for n in numels]
+    phases = (
+        _phase(model, "gradient reduce-scatter", "reduce_scatter", "shard", shard, [n * gb for n in numels]),
+        _phase(model, "gradient reduce-scatter", "reduce_scatter", "replicate", replicate, [c * gb for c in slices]),
+        _phase(model, "parameter all-gather", "all_gather", "replicate", replicate, [c * pb for c in slices]),
+        _phase(model, "parameter all-gather", "all_gather", "shard", shard, [n * pb for n in numels]),
+    )
+    return tuple(p for p in phases if p is not None)
+
+
+def partial_owned(numel: int, shard_size: int, replicas: int) -> np.ndarray:
+    """Elements of one unit each rank owns (index = global rank ``j·S + i``).
+
+    The layout of padded flat collectives: node slice ``i`` is elements ``[i·c, (i+1)·c)`` of
+    the unit (``c = ceil(n/S)``), and replica ``j`` owns ``[j·d, (j+1)·d)`` of it (``d =
+    ceil(c/R) = ceil(n/W)``), clipped to the real elements. No rank owns more than ``d``; ranks
+    at the padded end of a unit own fewer.
+    """
+    c = ceil_div(numel, shard_size)
+    d = ceil_div(c, replicas)
+    node = np.clip(numel - c * np.arange(shard_size, dtype=np.int64), 0, c)
+    return np.clip(node[None, :] - d * np.arange(replicas, dtype=np.int64)[:, None], 0, d).reshape(-1)
+
+
+def partial_rank_bytes(units: list[UnitGeom], cand: Candidate, world_size: int, config: PlannerConfig) -> RankBytes:
+    """Per-rank bytes and peak of a partial plan (the formula of the module docstring)."""
+    s = cand.shard_size
+    replicas = world_size // s
+    pb, gb, ob = config.param_bytes, config.grad_bytes, config.optim_state_bytes_per_param
+    numels = [u.padded_numel for u in units]
+    total = sum(numels)
+    owned = np.zeros(world_size, dtype=np.int64)
+    for n in numels:
+        owned += partial_owned(n, s, replicas)
+    slice_numel = sum(ceil_div(ceil_div(n, s), replicas) for n in numels)  # Σd: what each rank allocates
+    root = sum(u.padded_numel for u in units if u.is_root)
+    largest_block = max((u.padded_numel for u in units if not u.is_root), default=0)
+    largest = max(numels, default=0)
+    grads = gb * max(root + 2 * largest_block, 2 * root)
+    comm = (gb + pb) * ceil_div(largest, s) + pb * largest
+    buffers = grads + comm
+    return RankBytes(param_bytes=(pb * total,) * world_size, grad_bytes=tuple((owned * gb).tolist()),
+                     optim_bytes=tuple((owned * ob).tolist()), padded_param_bytes=pb * total,
+                     padded_grad_bytes=gb * slice_numel, buffer_bytes=buffers,
+                     peak_bytes=pb * total + (gb + ob) * slice_numel + buffers,
+                     fsdp2_peak_bytes=(pb + gb + ob) * total)
+
+
 def evaluate(model: CostModel, units: list[UnitGeom], cand: Candidate, config: PlannerConfig) -> Evaluation:
+    if cand.param_sharding == "replicated":
+        return Evaluation(candidate=cand, rank_bytes=partial_rank_bytes(units, cand, model.world_size, config),
+                          comm=partial_comm_phases(model, units, cand, config))
     return Evaluation(candidate=cand, rank_bytes=rank_bytes(units, cand, model.world_size, config),
                       comm=comm_phases(model, units, cand, config))

@@ -13,7 +13,11 @@ from typing import Any, TypeVar
 
 from cpdpkit.errors import ConfigError
 
-__all__ = ["PlannerConfig", "PlannerError", "DTYPE_BYTES", "dtype_bytes", "parse_bytes", "format_bytes", "ceil_div"]
+__all__ = ["PlannerConfig", "PlannerError", "DTYPE_BYTES", "PARAM_SHARDINGS", "dtype_bytes", "parse_bytes",
+           "format_bytes", "ceil_div"]
+
+# A plan's parameter layout: FSDP2-style shards, or replicated (partially sharded data parallelism).
+PARAM_SHARDINGS = ("sharded", "replicated")
 
 # Canonical torch dtype names (and the usual short aliases) -> bytes per element.
 DTYPE_BYTES: dict[str, int] = {
@@ -110,6 +114,10 @@ class PlannerConfig(Record):
       size); ``None`` lets the planner choose a node, a site or the world.
     * ``reshard_after_forward``: fix FSDP2's policy for every non-root unit (``True``,
       ``False`` or a number of consecutive ranks inside one node); ``None`` lets the planner choose.
+    * ``param_sharding``: ``"sharded"`` keeps to FSDP2-style plans (parameters sharded on the
+      shard axis); ``"replicated"`` plans only *partially sharded* data parallelism (``strategy
+      "partial"``: parameters replicated on every rank, gradients and optimizer state sharded
+      across the world, node first); ``None`` considers both.
     """
 
     param_dtype: str = "bfloat16"
@@ -120,6 +128,7 @@ class PlannerConfig(Record):
     allow_state_sharding: bool = True
     shard_size: int | None = None
     reshard_after_forward: bool | int | None = None
+    param_sharding: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_dtype", _canonical_dtype(self.param_dtype))
@@ -140,6 +149,21 @@ class PlannerConfig(Record):
                                "number of ranks >= 2 (for example the node size)")
         if not isinstance(self.allow_state_sharding, bool):
             raise PlannerError(f"allow_state_sharding = {self.allow_state_sharding!r} must be True or False")
+        self._check_param_sharding()
+
+    def _check_param_sharding(self) -> None:
+        ps = self.param_sharding
+        if ps is not None and ps not in PARAM_SHARDINGS:
+            raise PlannerError(f"param_sharding = {ps!r} is invalid; use 'sharded', 'replicated' or None "
+                               "(consider both)")
+        if ps != "replicated":
+            return
+        if not self.allow_state_sharding:
+            raise PlannerError("param_sharding = 'replicated' shards optimizer state across the world, which "
+                               "allow_state_sharding = False forbids; allow state sharding or use 'sharded'")
+        if self.reshard_after_forward not in (None, False):
+            raise PlannerError(f"param_sharding = 'replicated' keeps parameters unsharded, so reshard_after_forward "
+                               f"= {self.reshard_after_forward!r} cannot hold; leave it None or use 'sharded'")
 
     @property
     def param_bytes(self) -> int:

@@ -9,6 +9,12 @@ unpadded local view), split further across the replicate axis when the plan shar
 Traffic is counted per rank: ``wire_bytes_per_rank`` is what one rank sends in one step for a
 phase under the α-β model's algorithm (a ring all-gather of ``n`` output bytes over ``p`` ranks
 sends ``(p-1)/p·n``); a collective's whole traffic is charged to its group's slowest tier.
+
+A plan of ``param_sharding = "replicated"`` (``strategy = "partial"``, partially sharded data
+parallelism) keeps every parameter whole on every rank: it has no placements, its units'
+``padded_numel`` equal ``numel``, and its gradients and optimizer state are split flat per unit
+(see :mod:`cpdpkit.planner._cost`). Format version 2 added ``param_sharding``, ``candidates``
+and ``choice_reason``; version-1 JSON still loads (as ``"sharded"``, with no candidates).
 """
 
 from __future__ import annotations
@@ -31,11 +37,13 @@ __all__ = [
     "StateSharding",
     "RankBytes",
     "CommPhase",
+    "CandidateSummary",
     "ShardingPlan",
     "PLAN_FORMAT_VERSION",
 ]
 
-PLAN_FORMAT_VERSION = 1
+PLAN_FORMAT_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,7 +105,7 @@ class MeshPlan(Record):
 
 @dataclass(frozen=True, kw_only=True)
 class StateSharding(Record):
-    """Fine-grained optimizer-state sharding across the replicate axis.
+    """Fine-grained optimizer-state sharding across the replicate axis (or the world).
 
     With ``axis="replicate"`` each rank keeps ``1/num_partitions`` of the optimizer state of its
     shard (an even split of the real elements, within one element per unit); the step becomes
@@ -105,6 +113,10 @@ class StateSharding(Record):
     all-gather of the updated parameters across the replicate axis. FSDP2 itself cannot do this
     (its HSDP all-reduces gradients and steps the whole shard on every replica), so
     ``executed_by_fsdp2`` is False and :func:`~cpdpkit.planner.apply.apply_plan` applies HSDP only.
+
+    ``axis="world"`` (the partial kind): each rank keeps ``1/world_size`` of every unit's optimizer
+    state; gradients are reduce-scattered inside the node, then across nodes, and the updated
+    slices all-gathered back the same way; parameters are never sharded.
     """
 
     axis: str | None
@@ -119,7 +131,9 @@ class RankBytes(Record):
     ``*_bytes`` tuples are real bytes; ``padded_*_bytes`` what every rank allocates.
     ``buffer_bytes`` covers FSDP2's unsharded parameters and gradients (the current unit and one
     prefetched, the root, and units kept after forward). Activations are not modeled.
-    ``fsdp2_peak_bytes`` is the peak when only FSDP2 executes the plan (no state sharding).
+    ``fsdp2_peak_bytes`` is the peak when only FSDP2 executes the plan (no state sharding); for a
+    partial plan, which FSDP2 cannot execute at all, the peak of plain DDP (full parameters,
+    gradients and optimizer state on every rank).
     """
 
     param_bytes: tuple[int, ...]
@@ -161,6 +175,25 @@ class CommPhase(Record):
 
 
 @dataclass(frozen=True, kw_only=True)
+class CandidateSummary(Record):
+    """One candidate the planner evaluated: what it was, its modeled cost and whether it fit.
+
+    ``time_s``: the sum of its collectives' modeled times per step; ``peak_bytes``: its peak per
+    rank; ``fits_budget``: ``True`` also when there is no budget; ``chosen``: the plan's own.
+    """
+
+    strategy: str
+    shard_size: int
+    reshard_after_forward: bool | int
+    state_sharded: bool
+    param_sharding: str
+    time_s: float
+    peak_bytes: int
+    fits_budget: bool
+    chosen: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
 class ShardingPlan:
     """A frozen sharding plan for one model on one placed topology.
 
@@ -171,6 +204,11 @@ class ShardingPlan:
     parameters (:func:`~cpdpkit.planner.schedule.plan_two_stage`): which run during backward
     (stage 1) and which during the next forward (stage 2), in which order on the slow link.
     ``None`` when the plan has no replicate axis or does not shard optimizer state.
+
+    ``param_sharding`` is ``"sharded"`` (FSDP2-style) or ``"replicated"`` (``strategy ==
+    "partial"``). ``candidates`` lists every candidate the search evaluated (the chosen one
+    marked) and ``choice_reason`` says in one sentence why this one won; both are empty for a
+    plan that was not searched (FSDP2's default) or read from version-1 JSON.
     """
 
     model_name: str
@@ -187,9 +225,12 @@ class ShardingPlan:
     all_gather_order: tuple[tuple[str, str], ...]
     notes: tuple[str, ...] = ()
     schedule: TwoStageSchedule | None = None
+    param_sharding: str = "sharded"
+    candidates: tuple[CandidateSummary, ...] = ()
+    choice_reason: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("units", "placements", "comm", "notes"):
+        for name in ("units", "placements", "comm", "notes", "candidates"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         object.__setattr__(self, "all_gather_order", tuple(tuple(x) for x in self.all_gather_order))
 
@@ -226,6 +267,7 @@ class ShardingPlan:
         return {
             "world_size": self.world_size,
             "strategy": self.strategy,
+            "param_sharding": self.param_sharding,
             "num_units": len(self.units),
             "max_rank_bytes": max(totals),
             "mean_rank_bytes": sum(totals) / len(totals),
@@ -244,6 +286,7 @@ class ShardingPlan:
             "format_version": PLAN_FORMAT_VERSION,
             "model_name": self.model_name,
             "strategy": self.strategy,
+            "param_sharding": self.param_sharding,
             "world_size": self.world_size,
             "topology": self.topology.to_dict(),
             "config": self.config.to_dict(),
@@ -256,14 +299,16 @@ class ShardingPlan:
             "all_gather_order": [list(x) for x in self.all_gather_order],
             "notes": list(self.notes),
             "schedule": None if self.schedule is None else self.schedule.to_dict(),
+            "candidates": [c.to_dict() for c in self.candidates],
+            "choice_reason": self.choice_reason,
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ShardingPlan:
         version = data.get("format_version")
-        if version != PLAN_FORMAT_VERSION:
+        if version not in _READABLE_VERSIONS:
             raise PlannerError(f"plan format_version = {version!r} is not supported; re-run cpdpkit plan "
-                               f"(this cpdpkit reads version {PLAN_FORMAT_VERSION})")
+                               f"(this cpdpkit reads versions {', '.join(map(str, _READABLE_VERSIONS))})")
         return cls(
             model_name=data["model_name"], strategy=data["strategy"], world_size=data["world_size"],
             topology=Topology.from_dict(data["topology"]), config=PlannerConfig.from_dict(data["config"]),
@@ -275,6 +320,9 @@ class ShardingPlan:
             all_gather_order=tuple(tuple(x) for x in data["all_gather_order"]),
             notes=tuple(data.get("notes", ())),
             schedule=None if data.get("schedule") is None else TwoStageSchedule.from_dict(data["schedule"]),
+            param_sharding=data.get("param_sharding", "sharded"),
+            candidates=tuple(CandidateSummary.from_dict(c) for c in data.get("candidates", ())),
+            choice_reason=data.get("choice_reason", ""),
         )
 
     def to_json(self, **kwargs: Any) -> str:

@@ -18,9 +18,19 @@
    (gradient reduce-scatter + parameter all-gather across replicas instead of an all-reduce:
    the same ring bytes, 1/R of the optimizer memory, balanced within one element per unit).
 
+5. **Partial sharding** (``param_sharding = "replicated"``, strategy ``partial``; with two nodes
+   or more). Parameters stay whole on every rank; gradients and optimizer state are sharded over
+   the world, inside the node first, then across nodes, and the updated slices all-gathered back
+   the same way (:mod:`cpdpkit.planner._cost` has the bytes and the peak). No forward or backward
+   all-gathers, and no link sends more than a ring all-reduce of the model would.
+
 Each candidate's α-β time per step (the topology's model) and peak memory are computed in
 closed form; among candidates within the memory budget the fastest wins, and among those within
-1 % of it the leanest in memory. :func:`fsdp2_default_plan` prices FSDP2's defaults the same way.
+1 % of it the leanest in memory, a plan with sharded parameters before a partial one (so a
+partial plan wins when it is more than 1 % faster than every sharded plan that fits, i.e. when
+memory rules those out; ``param_sharding`` forces either kind). The plan keeps every
+candidate's figures (``candidates``) and says why it won (``choice_reason``).
+:func:`fsdp2_default_plan` prices FSDP2's defaults the same way.
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ import numpy as np
 from cpdpkit.planner._cost import Candidate, CostModel, Evaluation, UnitGeom, _is_int, evaluate, shard_layout
 from cpdpkit.planner.config import PlannerConfig, PlannerError, ceil_div, format_bytes
 from cpdpkit.planner.model_spec import ROOT, ModelSpec
-from cpdpkit.planner.plan import MeshPlan, ParamPlacement, ShardingPlan, StateSharding, UnitPlan
+from cpdpkit.planner.plan import CandidateSummary, MeshPlan, ParamPlacement, ShardingPlan, StateSharding, UnitPlan
 from cpdpkit.planner.presets import load_model_spec
 from cpdpkit.planner.schedule import plan_two_stage
 from cpdpkit.topology import Topology, resolve_topology
@@ -143,6 +153,22 @@ def _build_units(spec: ModelSpec, groups: list[list[int]], shard_size: int, *, b
     return units, geoms, placements
 
 
+def _build_partial_units(spec: ModelSpec, groups: list[list[int]]) -> tuple[list[UnitPlan], list[UnitGeom], list]:
+    """Units of a partial plan (root first): whole parameters, nothing padded, no placements."""
+    per_block, root_params = _block_params(spec)
+    members = [(_ROOT_NAME, ("",), root_params, True)]
+    members += [(_unit_name(spec, g), tuple(spec.blocks[b].fqn for b in g), [i for b in g for i in per_block[b]], False)
+                for g in groups]
+    units, geoms = [], []
+    for name, fqns, idx, is_root in members:
+        numel = sum(spec.params[i].numel for i in idx)
+        units.append(UnitPlan(name=name, module_fqns=fqns, param_fqns=tuple(spec.params[i].fqn for i in idx),
+                              numel=numel, padded_numel=numel, reshard_after_forward=False))
+        geoms.append(UnitGeom(padded_numel=numel, real_by_position=np.asarray([numel], dtype=np.int64),
+                              reshard_after_forward=False, is_root=is_root))
+    return units, geoms, []
+
+
 # ---- candidates ----------------------------------------------------------------------------
 def _shard_sizes(topo: Topology) -> list[tuple[str, int]]:
     """(strategy, shard size): a node, a site, the world; deduplicated, largest group last."""
@@ -157,6 +183,39 @@ def _shard_sizes(topo: Topology) -> list[tuple[str, int]]:
 
 
 def _candidates(topo: Topology, config: PlannerConfig) -> list[Candidate]:
+    out = _sharded_candidates(topo, config) if config.param_sharding != "replicated" else []
+    if config.param_sharding != "sharded":
+        out += _partial_candidates(topo, config)
+    return out
+
+
+def _partial_candidates(topo: Topology, config: PlannerConfig) -> list[Candidate]:
+    """The partial candidate (shards of a node, replicas across nodes) where the config allows it.
+
+    Left out silently when ``param_sharding`` is ``None``; when it is ``"replicated"`` a topology
+    or option that rules it out is an error naming the fix.
+    """
+    world: int = topo.world_size  # type: ignore[assignment]
+    rpn: int = topo.ranks_per_node  # type: ignore[assignment]
+    problem = None
+    if world // rpn < 2:
+        problem = (f"needs at least 2 nodes (gradients and optimizer state shard inside a node, then across "
+                   f"nodes), but {topo.name!r} places all {world} ranks on one node; use more ranks, "
+                   "--ranks-per-node, or param_sharding 'sharded'")
+    elif config.shard_size is not None and config.shard_size != rpn:
+        problem = (f"shards inside a node ({rpn} ranks), which shard_size = {config.shard_size} contradicts; "
+                   f"leave shard_size None or set it to {rpn}")
+    elif not config.allow_state_sharding or config.reshard_after_forward not in (None, False):
+        problem = "is ruled out by allow_state_sharding or reshard_after_forward"  # the config refuses these
+    if problem is None:
+        return [Candidate(strategy="partial", shard_size=rpn, reshard_after_forward=False, state_sharded=True,
+                          param_sharding="replicated")]
+    if config.param_sharding == "replicated":
+        raise PlannerError(f"param_sharding = 'replicated' {problem}")
+    return []
+
+
+def _sharded_candidates(topo: Topology, config: PlannerConfig) -> list[Candidate]:
     out = []
     world, rpn = topo.world_size, topo.ranks_per_node
     sizes = _shard_sizes(topo)
@@ -218,14 +277,24 @@ def _all_gather_order(units: list[UnitPlan]) -> list[tuple[str, str]]:
 def _notes(cand: Candidate, evaluation: Evaluation, config: PlannerConfig) -> list[str]:
     notes = []
     rb = evaluation.rank_bytes
-    if cand.state_sharded:
+    if cand.param_sharding == "replicated":
+        notes.append(
+            "partially sharded data parallelism: parameters are replicated on every rank (no placements, nothing "
+            "padded); each unit's gradient is reduce-scattered inside the node, then across nodes, every rank "
+            "updates its 1/world slice of the optimizer state, and the updated slices are all-gathered back "
+            "across nodes, then inside the node. FSDP2 and apply_plan cannot run it; train with "
+            f"cpdpkit.planner.PartialShardExecutor for {format_bytes(rb.peak_bytes)} per rank (plain DDP "
+            f"{format_bytes(rb.fsdp2_peak_bytes)})")
+    elif cand.state_sharded:
         notes.append(
             "optimizer state is sharded across the replicate axis; FSDP2 alone cannot execute that (its HSDP "
             "all-reduces gradients and keeps the full shard's state on every replica): train with "
             f"cpdpkit.planner.TwoStageExecutor for {format_bytes(rb.peak_bytes)} per rank; apply_plan alone "
             f"applies the mesh, units and placements only ({format_bytes(rb.fsdp2_peak_bytes)} per rank)")
     if config.memory_budget_bytes is not None and rb.fsdp2_peak_bytes > config.memory_budget_bytes >= rb.peak_bytes:
-        notes.append("this plan fits the memory budget only with optimizer-state sharding")
+        notes.append("this plan fits the memory budget only with "
+                     + ("gradients and optimizer state sharded" if cand.param_sharding == "replicated"
+                        else "optimizer-state sharding"))
     notes.append("activations are not modeled; keep room for them beside peak_memory_bytes")
     return notes
 
@@ -237,25 +306,35 @@ def _evaluate_all(spec: ModelSpec, topo: Topology, config: PlannerConfig,
     for cand in candidates:
         min_bytes = config.min_unit_bytes or _auto_min_unit_bytes(topo, cand.shard_size)
         groups = group_blocks(spec, min_bytes if merge else 1, config.param_bytes)
-        built = _build_units(spec, groups, cand.shard_size, balanced=balanced, raf=cand.reshard_after_forward)
+        if cand.param_sharding == "replicated":
+            built = _build_partial_units(spec, groups)
+        else:
+            built = _build_units(spec, groups, cand.shard_size, balanced=balanced, raf=cand.reshard_after_forward)
         results.append((evaluate(model, built[1], cand, config), built))
     return results
 
 
 def _to_plan(spec: ModelSpec, topo: Topology, config: PlannerConfig, evaluation: Evaluation, built: Any,
-             *, notes: list[str] | None = None) -> ShardingPlan:
+             *, notes: list[str] | None = None, candidates: tuple[CandidateSummary, ...] = (),
+             reason: str = "") -> ShardingPlan:
     cand = evaluation.candidate
     units, _, placements = built
-    replicas = topo.world_size // cand.shard_size  # type: ignore[operator]
-    state = StateSharding(axis="replicate" if cand.state_sharded else None,
-                          num_partitions=replicas if cand.state_sharded else 1,
-                          executed_by_fsdp2=not cand.state_sharded)
+    world: int = topo.world_size  # type: ignore[assignment]
+    replicas = world // cand.shard_size
+    partial = cand.param_sharding == "replicated"
+    if partial:
+        state = StateSharding(axis="world", num_partitions=world, executed_by_fsdp2=False)
+    else:
+        state = StateSharding(axis="replicate" if cand.state_sharded else None,
+                              num_partitions=replicas if cand.state_sharded else 1,
+                              executed_by_fsdp2=not cand.state_sharded)
     plan = ShardingPlan(
-        model_name=spec.name, strategy=cand.strategy + ("+state" if cand.state_sharded else ""),
-        world_size=topo.world_size, topology=topo, config=config, mesh=_mesh(topo, cand.shard_size),  # type: ignore[arg-type]
-        units=tuple(units), placements=tuple(placements), state_sharding=state,
-        rank_bytes=evaluation.rank_bytes, comm=evaluation.comm, all_gather_order=tuple(_all_gather_order(units)),
+        model_name=spec.name, strategy=cand.label, world_size=world, topology=topo, config=config,
+        mesh=_mesh(topo, cand.shard_size), units=tuple(units), placements=tuple(placements), state_sharding=state,
+        rank_bytes=evaluation.rank_bytes, comm=evaluation.comm,
+        all_gather_order=() if partial else tuple(_all_gather_order(units)),
         notes=tuple(notes if notes is not None else _notes(cand, evaluation, config)),
+        param_sharding=cand.param_sharding, candidates=candidates, choice_reason=reason,
     )
     return replace(plan, schedule=plan_two_stage(plan))
 
@@ -265,11 +344,20 @@ def _budget_error(spec: ModelSpec, topo: Topology, config: PlannerConfig, result
     leanest = min((ev for ev, _ in results), key=lambda ev: ev.rank_bytes.peak_bytes)
     rb = leanest.rank_bytes
     states = spec.numel * config.state_bytes_per_param
+    partial = leanest.candidate.param_sharding == "replicated"
     msg = (f"memory budget {format_bytes(budget)} per rank is too small for {spec.name} on {topo.world_size} "  # type: ignore[arg-type]
-           f"ranks: the leanest plan ({leanest.candidate.strategy}"
-           f"{'+state' if leanest.candidate.state_sharded else ''}) needs {format_bytes(rb.peak_bytes)} per rank "
-           f"(model states {format_bytes(rb.peak_bytes - rb.buffer_bytes)} + FSDP2 buffers "
+           f"ranks: the leanest plan ({leanest.candidate.label}) needs {format_bytes(rb.peak_bytes)} per rank "
+           f"(model states {format_bytes(rb.peak_bytes - rb.buffer_bytes)} + {'' if partial else 'FSDP2 '}buffers "
            f"{format_bytes(rb.buffer_bytes)}); ")
+    if partial:  # only when param_sharding = "replicated": its replicated parameters do not shrink with ranks
+        room = budget - rb.buffer_bytes - rb.padded_param_bytes  # type: ignore[operator]
+        if room <= 0:
+            return PlannerError(msg + "its replicated parameters and buffers alone exceed it on any number of ranks; "
+                                      f"raise --memory-budget to at least {format_bytes(rb.peak_bytes)} or use "
+                                      "param_sharding 'sharded'")
+        states = spec.numel * (config.grad_bytes + config.optim_state_bytes_per_param)
+        return PlannerError(msg + f"raise --memory-budget to at least {format_bytes(rb.peak_bytes)} or use about "
+                                  f"{ceil_div(states, room)} ranks or more")
     room = budget - rb.buffer_bytes  # type: ignore[operator]
     if room <= 0:
         return PlannerError(msg + f"the buffers alone exceed it on any number of ranks; raise --memory-budget "
@@ -298,8 +386,104 @@ def plan_sharding(model: Any, topology: Topology | str, *, world_size: int | Non
         raise _budget_error(spec, topo, config, results)
     fastest = min(ev.time_s for ev, _ in fitting)
     close = [r for r in fitting if r[0].time_s <= fastest * (1 + _TIME_TIE_FRAC) + 1e-12]
-    best = min(close, key=lambda r: (r[0].rank_bytes.peak_bytes, r[0].time_s))
-    return _to_plan(spec, topo, config, best[0], best[1])
+    # A tie keeps parameters sharded: partial wins only when it is more than 1 % faster than every
+    # sharded plan that fits (in practice: when memory rules out the sharded plans as fast as it),
+    # because its executor is not FSDP2 and existing users of the default plan run FSDP2-style plans.
+    pool = [r for r in close if r[0].candidate.param_sharding == "sharded"] or close
+    leanest = lambda r: (r[0].rank_bytes.peak_bytes, r[0].time_s)  # noqa: E731
+    best = min(pool, key=leanest)
+    summaries = tuple(_summary(r[0], budget, chosen=r is best) for r in results)
+    kept = min(close, key=leanest) is not best  # a leaner partial plan as fast was passed over
+    reason = _choice_reason(summaries, budget, num_close=len(pool) if kept else len(close), tie_kept_sharded=kept)
+    return _to_plan(spec, topo, config, best[0], best[1], candidates=summaries, reason=reason)
+
+
+def _summary(evaluation: Evaluation, budget: int | None, *, chosen: bool) -> CandidateSummary:
+    cand, peak = evaluation.candidate, evaluation.rank_bytes.peak_bytes
+    return CandidateSummary(strategy=cand.label, shard_size=cand.shard_size,
+                            reshard_after_forward=cand.reshard_after_forward, state_sharded=cand.state_sharded,
+                            param_sharding=cand.param_sharding, time_s=evaluation.time_s, peak_bytes=peak,
+                            fits_budget=budget is None or peak <= budget, chosen=chosen)
+
+
+# ---- why this candidate ----------------------------------------------------------------------
+def _fmt_s(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.1f} us"
+
+
+def _name(c: CandidateSummary) -> str:
+    return c.strategy if c.param_sharding == "replicated" else f"{c.strategy} raf={c.reshard_after_forward}"
+
+
+def _speed(c: CandidateSummary, ref: CandidateSummary) -> str:
+    """``c``'s time against ``ref``'s: "3.1 % slower", "as fast"..."""
+    if ref.time_s <= 0:
+        return "as fast" if c.time_s <= 0 else f"{_fmt_s(c.time_s)} slower"
+    pct = (c.time_s - ref.time_s) / ref.time_s * 100
+    if abs(pct) < 0.05:
+        return "as fast"
+    return f"{abs(pct):.1f} % {'slower' if pct > 0 else 'faster'}"
+
+
+def _memory(c: CandidateSummary, ref: CandidateSummary) -> str:
+    diff = c.peak_bytes - ref.peak_bytes
+    if diff == 0:
+        return "the same memory"
+    return f"{format_bytes(abs(diff))} {'more' if diff > 0 else 'less'}"
+
+
+def _choice_reason(cands: tuple[CandidateSummary, ...], budget: int | None, *, num_close: int,
+                   tie_kept_sharded: bool) -> str:
+    """One sentence: why the chosen candidate won, and what the nearest alternatives would cost."""
+    chosen = next(c for c in cands if c.chosen)
+    fit = [c for c in cands if c.fits_budget]
+    where = f"that fit {format_bytes(budget)}" if budget is not None else "(no memory budget)"
+    if len(cands) == 1:
+        head = (f"the only candidate (param_sharding={chosen.param_sharding!r})"
+                + (f", and it fits {format_bytes(budget)}" if budget is not None else ""))
+    elif len(fit) == 1:
+        head = f"the only one of the {len(cands)} candidates {where}"
+    elif chosen.time_s <= min(c.time_s for c in fit):
+        head = f"fastest of the {len(fit)} candidates {where}"
+    else:
+        head = (f"leanest of the {num_close} {'sharded-parameter ' if tie_kept_sharded else ''}candidates within "
+                f"{_TIME_TIE_FRAC * 100:g} % of the fastest of the {len(fit)} {where}")
+    parts = [f"{head} ({_fmt_s(chosen.time_s)}/step, {format_bytes(chosen.peak_bytes)} peak)"]
+    told = [chosen]
+    if tie_kept_sharded:  # a partial plan as fast (within 1 %) was passed over: say so first
+        tied = min((c for c in fit if c.param_sharding == "replicated"), key=lambda c: c.time_s)
+        parts.append(f"{_name(tied)} is {_speed(tied, chosen)} and needs {_memory(tied, chosen)}, but within "
+                     f"{_TIME_TIE_FRAC * 100:g} % parameters stay sharded (param_sharding='replicated' picks it)")
+        told.append(tied)
+    runner_up = min((c for c in fit if c not in told), key=lambda c: (c.time_s, c.peak_bytes), default=None)
+    if runner_up is not None:
+        parts.append(f"{_name(runner_up)} is {_speed(runner_up, chosen)} and needs {_memory(runner_up, chosen)}")
+        told.append(runner_up)
+    leanest = min(fit, key=lambda c: (c.peak_bytes, c.time_s))
+    if leanest not in told and leanest.peak_bytes < chosen.peak_bytes:
+        parts.append(f"{_name(leanest)} is leaner by {_memory(chosen, leanest).removesuffix(' more')} "
+                     f"but {_speed(leanest, chosen)}")
+        told.append(leanest)
+    # what memory would buy: the leanest of the fastest candidates over the budget (as fast or faster)
+    over = [c for c in cands if not c.fits_budget and c.time_s <= chosen.time_s * (1 + _TIME_TIE_FRAC)]
+    top = min((c.time_s for c in over), default=0.0) * (1 + _TIME_TIE_FRAC)
+    faster = min((c for c in over if c.time_s <= top), key=lambda c: c.peak_bytes, default=None)
+    if faster is not None:
+        parts.append(f"{_name(faster)} would be {_speed(faster, chosen)} but needs {format_bytes(faster.peak_bytes)}, "
+                     "over the budget")
+        told.append(faster)
+    other = [c for c in cands if c.param_sharding != chosen.param_sharding]
+    if other and not any(c in told for c in other):  # always say how the other kind of plan fared
+        best = min(other, key=lambda c: (not c.fits_budget, c.time_s, c.peak_bytes))
+        if best.fits_budget:
+            parts.append(f"{_name(best)} is {_speed(best, chosen)} and needs {_memory(best, chosen)}")
+        else:
+            parts.append(f"{_name(best)} needs {format_bytes(best.peak_bytes)}, over the budget")
+    return "; ".join(parts)
 
 
 def fsdp2_default_plan(model: Any, topology: Topology | str, *, world_size: int | None = None,
@@ -322,6 +506,7 @@ def planning_summary(plan: ShardingPlan, baseline: ShardingPlan, plan_seconds: f
     out["plan_seconds"] = plan_seconds
     out["fits_budget"] = _fits(plan)
     out["fsdp2_peak_memory_bytes"] = plan.rank_bytes.fsdp2_peak_bytes
+    out["choice_reason"] = plan.choice_reason
     out["baseline"] = baseline.summary()
     out["baseline"]["fits_budget"] = _fits(baseline)
     return out

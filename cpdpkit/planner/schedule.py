@@ -2,10 +2,14 @@
 
 With optimizer-state sharding across the replicate axis, each replica reduce-scatters a unit's
 gradient across replicas, updates only its slice, and all-gathers the updated parameters
-across replicas before that unit's next forward. Issued naively (every all-gather after
-backward) that exchange is a long tail: the first units' gradients are ready last in backward,
-yet their parameters are needed first in the next forward. This module decides, per unit,
-when its exchange runs on the slow link.
+across replicas before that unit's next forward. A partial plan (``param_sharding =
+"replicated"``) does the same on the replicate link with each unit's node slice
+(``ceil(numel/S)`` elements): its reduce-scatter and its all-gather across nodes are the
+exchanges scheduled here; the in-node collectives around them run on the fast tier.
+
+Issued naively (every all-gather after backward) that exchange is a long tail: the first units'
+gradients are ready last in backward, yet their parameters are needed first in the next
+forward. This module decides, per unit, when its exchange runs on the slow link.
 
 **Timeline model** (one step; t = 0 at the start of backward; all times in seconds):
 
@@ -43,6 +47,15 @@ the last reduce-scatter, in plan order, and starts the forward after the last on
 ``lower_bound_exposed_s`` (max over units of release + transfer − deadline) is a floor no
 schedule beats; the root unit (forward first, gradient last) usually sets it.
 
+**Clipping** (``clip=True``). The executor clips by the exact global norm, speculatively: it
+updates as above and checks the norm once every reduce-scatter is done. On a step where clipping
+does not scale the gradient nothing changes, and that step is the model without ``clip``. On a
+step where it does scale, no update may use an unscaled gradient: every unit's release becomes
+the end of the *last* reduce-scatter + ``norm_s`` (one scalar all-reduce over the world;
+:func:`plan_two_stage` prices 8 bytes over the world group) + ``update_s``. That release is
+after backward ends, so stage 1 is lost that step: every exchange runs during the next forward.
+``clip=True`` models that clipped step; a run's average lies between the two.
+
 Not modeled: the shard-axis (fast tier) collectives, compute slowed by communication, and
 per-unit update times that differ. Timings come from measurement or
 :func:`estimate_unit_timings` (6·params·tokens FLOPs at a configurable rate).
@@ -56,7 +69,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from cpdpkit.planner.config import PlannerError
+from cpdpkit.planner.config import PlannerError, ceil_div
 from cpdpkit.planner.plan import ShardingPlan
 from cpdpkit.planner.timeline import (
     EPS_S,
@@ -80,6 +93,7 @@ __all__ = [
 ALGORITHM = "non-preemptive EDF with release times, reduce-scatters first, backfilled"
 DEFAULT_TOKENS_PER_RANK = 4096  # one 4k-token sequence per rank per step
 DEFAULT_FLOPS_PER_S = 125e12  # an A100's 312 TFLOP/s bf16 at 40 % MFU
+_NORM_BYTES = 8  # the squared global norm: one fp64 (or two fp32) scalar all-reduced over the world
 
 
 def estimate_unit_timings(plan: ShardingPlan, *, tokens_per_rank: int = DEFAULT_TOKENS_PER_RANK,
@@ -155,13 +169,20 @@ def _forward_waits(ends: Sequence[float], forward: Sequence[float], begin_s: flo
 
 def schedule_two_stage(timings: Sequence[UnitTiming], *, reduce_scatter_s: Sequence[float],
                        all_gather_s: Sequence[float], num_bytes: Sequence[int], tier: str | None = None,
-                       update_s: float = 0.0) -> TwoStageSchedule:
-    """Schedule each unit's exchange; all sequences are in plan (forward) order, one per unit."""
+                       update_s: float = 0.0, clip: bool = False, norm_s: float = 0.0) -> TwoStageSchedule:
+    """Schedule each unit's exchange; all sequences are in plan (forward) order, one per unit.
+
+    ``clip=True`` models a step whose gradient clipping scales: every update waits for the last
+    reduce-scatter and ``norm_s`` (module docstring).
+    """
     n = len(timings)
     if n == 0 or not len(reduce_scatter_s) == len(all_gather_s) == len(num_bytes) == n:
         raise PlannerError(f"schedule_two_stage needs one timing, reduce-scatter time, all-gather time and byte "
                          f"count per unit (got {n}, {len(reduce_scatter_s)}, {len(all_gather_s)}, {len(num_bytes)})")
     check_seconds("update_s", update_s)
+    check_seconds("norm_s", norm_s)
+    if not isinstance(clip, bool):
+        raise PlannerError(f"clip = {clip!r} must be True or False")
     for i in range(n):
         check_seconds(f"reduce_scatter_s[{i}]", reduce_scatter_s[i])
         check_seconds(f"all_gather_s[{i}]", all_gather_s[i])
@@ -169,7 +190,11 @@ def schedule_two_stage(timings: Sequence[UnitTiming], *, reduce_scatter_s: Seque
     backward_s = sum(t.backward_s for t in timings)
     forward = [t.forward_s for t in timings]
     deadline = [backward_s + sum(forward[:i]) for i in range(n)]
-    release = [rs[i][1] + update_s for i in range(n)]
+    if clip:  # the scaled step: the global norm needs every reduce-scatter, then one scalar all-reduce
+        last_rs = max(end for _, end in rs)
+        release = [last_rs + norm_s + update_s] * n
+    else:
+        release = [rs[i][1] + update_s for i in range(n)]
     dur = [float(x) for x in all_gather_s]
     start = _edf(release, deadline, dur, rs)
     end = [start[i] + dur[i] for i in range(n)]
@@ -189,7 +214,8 @@ def schedule_two_stage(timings: Sequence[UnitTiming], *, reduce_scatter_s: Seque
         algorithm=ALGORITHM, tier=tier, update_s=float(update_s), backward_s=backward_s, forward_s=sum(forward),
         timings=tuple(timings), slots=slots, link_intervals=tuple(link), exposed_s=makespan - backward_s - sum(forward),
         makespan_s=makespan, naive_exposed_s=naive_exposed, naive_makespan_s=naive_makespan,
-        lower_bound_exposed_s=max(0.0, max(release[i] + dur[i] - deadline[i] for i in range(n))))
+        lower_bound_exposed_s=max(0.0, max(release[i] + dur[i] - deadline[i] for i in range(n))),
+        clip=clip, norm_s=float(norm_s) if clip else 0.0)
 
 
 def _naive(release: list[float], dur: list[float], rs: list[tuple[float, float]], backward_s: float,
@@ -202,14 +228,18 @@ def _naive(release: list[float], dur: list[float], rs: list[tuple[float, float]]
 
 
 def plan_two_stage(plan: ShardingPlan, topology: Topology | None = None,
-                   timings: Sequence[UnitTiming] | None = None, *, update_s: float = 0.0) -> TwoStageSchedule | None:
+                   timings: Sequence[UnitTiming] | None = None, *, update_s: float = 0.0,
+                   clip: bool = False) -> TwoStageSchedule | None:
     """The two-stage schedule of ``plan``'s replicate-axis exchanges; ``None`` without them.
 
     ``topology`` (default: the plan's) prices the collectives and must have the plan's world
     size; ``timings`` (any order, one per unit; default :func:`estimate_unit_timings`) give
-    compute seconds. ``None`` when the plan has no replicate axis or does not shard state.
+    compute seconds. ``clip=True`` models a step whose clipping scales the gradient (the norm's
+    all-reduce is 8 bytes over the world group). ``None`` when the plan has no replicate axis or
+    does not shard state across it (a partial plan shards it across the world, replicate axis
+    included).
     """
-    if plan.mesh.replicate_size < 2 or plan.state_sharding.axis != "replicate":
+    if plan.mesh.replicate_size < 2 or plan.state_sharding.axis not in ("replicate", "world"):
         return None
     topo = plan.topology if topology is None else topology
     if topo.world_size != plan.world_size:
@@ -223,10 +253,13 @@ def plan_two_stage(plan: ShardingPlan, topology: Topology | None = None,
                          f"unknown {extra[:3]} (unit names: {[u.name for u in plan.units][:3]}...)")
     s = plan.mesh.shard_size
     net = topo.group(range(0, plan.world_size, s))
-    chunks = [u.padded_numel // s for u in plan.units]
+    # a sharded plan's padded_numel divides by S; a partial plan's node slice is ceil(numel / S)
+    chunks = [ceil_div(u.padded_numel, s) for u in plan.units]
     pb, gb = plan.config.param_bytes, plan.config.grad_bytes
+    norm_s = topo.group(range(plan.world_size)).time_s("all_reduce", _NORM_BYTES) if clip else 0.0
     return schedule_two_stage(
         [by_name[u.name] for u in plan.units],
         reduce_scatter_s=[net.time_s("reduce_scatter", c * gb) for c in chunks],
         all_gather_s=[net.time_s("all_gather", c * pb) for c in chunks],
-        num_bytes=[c * pb for c in chunks], tier=net.tier.name if net.tier else None, update_s=update_s)
+        num_bytes=[c * pb for c in chunks], tier=net.tier.name if net.tier else None, update_s=update_s,
+        clip=clip, norm_s=norm_s)

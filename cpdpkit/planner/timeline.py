@@ -45,7 +45,8 @@ class UnitTiming(Record):
 class ExchangeSlot(Record):
     """One unit's updated-parameter all-gather across replicas, as scheduled.
 
-    ``release_s``: its update is done (reduce-scatter end + update); ``deadline_s``: its next
+    ``release_s``: its update is done (reduce-scatter end + update; with clipping, the last
+    reduce-scatter's end + the norm's all-reduce + update); ``deadline_s``: its next
     forward starts if nothing waits; ``stage`` 1 ends by the end of backward, 2 during the next
     forward; ``order``: position on the link among exchanges; ``wait_s``: how long the next
     forward actually waits for it (the exposed time it causes).
@@ -86,6 +87,8 @@ class TwoStageSchedule(Record):
 
     ``slots`` are in plan (forward) order; ``link_intervals`` in time order. ``*_exposed_s`` is
     what the next forward waits on exchanges; ``*_makespan_s`` the end of the next forward.
+    ``clip``: the step clips the gradient (every release waits for the last reduce-scatter and
+    the ``norm_s`` scalar all-reduce of the global norm).
     """
 
     algorithm: str
@@ -101,6 +104,8 @@ class TwoStageSchedule(Record):
     naive_exposed_s: float
     naive_makespan_s: float
     lower_bound_exposed_s: float
+    clip: bool = False
+    norm_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("timings", "slots", "link_intervals"):
