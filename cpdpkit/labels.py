@@ -94,6 +94,7 @@ class _ShardPhases:
     PARAM_ALL_GATHER = Phase("shard", "param_all_gather", "all_gather")  # updated slices, launch
     PARAM_WAIT = Phase("shard", "param_wait", "all_gather")  # stage 1 in step(), stage 2 before forward
     UPDATE = Phase("shard", "update", None)  # the inner optimizer on one unit's slice
+    TIMINGS = Phase("shard", "timings_allreduce", "all_reduce")  # calibrate(): measured timings, max over the world
 
 
 SYNC = _SyncPhases

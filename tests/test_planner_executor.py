@@ -1,82 +1,168 @@
-"""TwoStageExecutor (optimizer state sharded across the replicate axis) vs FSDP2 HSDP: the same
-parameters on 4 gloo ranks (2 replicas x 2 shards) with SGD+momentum and AdamW, with and
-without global-norm clipping, half the optimizer state per rank, over gloo and the emulated
-backend; resuming from a torch.distributed.checkpoint; plus the refusal of non-elementwise optimizers."""
+"""TwoStageExecutor (optimizer state sharded across the replicate axis) vs FSDP2 HSDP on 4 gloo ranks
+(2 replicas x 2 shards): SGD+momentum and AdamW, with stage-1 exchanges during backward bit-identical
+to updating everything in step(); exact clipping (always, never, alternating: speculation and its
+redo); bf16 mixed precision; gradient accumulation; half the optimizer state per rank; every
+collective labelled; over the emulated backend with stage-1 evidence and calibration; resuming from
+a torch.distributed.checkpoint; plus the one-line refusals of bad input (no process group needed)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
 
 import _executor_jobs as jobs
 import _planner_jobs as pj
+from cpdpkit import labels
 from cpdpkit.planner import PlannerConfig, PlannerError, plan_sharding
 from cpdpkit.planner.executor import TwoStageExecutor
+from test_labels import _check_collectives_labelled
 
 CONFIG = PlannerConfig(param_dtype="float32", grad_dtype="float32", optim_state_bytes_per_param=8,
                        min_unit_bytes=1000)
-CASES = [{"name": "sgd", "optimizer": "sgd"}, {"name": "adamw", "optimizer": "adamw"},
-         {"name": "sgd-clip", "optimizer": "sgd", "max_grad_norm": 0.05},
-         {"name": "adamw-clip", "optimizer": "adamw", "max_grad_norm": 0.05}]
+ALTERNATE = [1.0, 10.0, 1.0]  # loss scales: the scaled steps clip, the others do not
+GLOO_CASES = [
+    {"name": "sgd", "optimizer": "sgd", "exact": True},
+    {"name": "adamw", "optimizer": "adamw", "exact": True},
+    {"name": "adamw-clip", "optimizer": "adamw", "max_grad_norm": 0.05, "exact": True},
+    {"name": "sgd-clip-never", "optimizer": "sgd", "max_grad_norm": 1e6, "exact": True},
+    {"name": "sgd-clip-alternate", "optimizer": "sgd", "max_grad_norm": "alternate", "loss_scales": ALTERNATE,
+     "exact": True, "profile": True},
+    {"name": "adamw-bf16", "optimizer": "adamw", "mp": "bf16"},
+    {"name": "adamw-bf16-reduce", "optimizer": "adamw", "mp": "bf16-reduce"},
+    {"name": "adamw-accum", "optimizer": "adamw", "accum": 2, "exact": True, "errors": True},
+]
 
 
-def _plan(topology):
+def _plan(topology, stage1=True):
     with torch.device("meta"):
         net = pj.Net()
     plan = plan_sharding(net, topology, world_size=4, config=CONFIG)
     assert plan.mesh.shape == (2, 2) and plan.state_sharding.axis == "replicate" and plan.schedule is not None
-    return plan
+    return jobs.with_stage1_schedule(plan) if stage1 else plan
 
 
-def _check(results, cases):
-    for rank, rank_result in enumerate(results):
-        for case, res in zip(cases, rank_result["cases"]):
-            name = res["name"]
-            for fqn, expect in res["hsdp_params"].items():
-                torch.testing.assert_close(res["ex_params"][fqn], expect, rtol=1e-5, atol=1e-5, msg=f"{name} {fqn}")
-            assert res["ex_losses"] == pytest.approx(res["hsdp_losses"], rel=1e-5), name
-            if case.get("max_grad_norm") is not None:  # clipping active on every step
-                assert res["ex_norms"] == pytest.approx(res["hsdp_norms"], rel=1e-5), name
-                assert min(res["hsdp_norms"]) > case["max_grad_norm"], name
-            # each replica keeps half of its shard's state (within one element per unit and state tensor)
-            slack = 3 * 2 * 4  # units x state tensors x float32 bytes
-            assert abs(2 * res["ex_state_bytes"] - res["hsdp_state_bytes"]) <= slack, (name, rank)
-            for pending in res["pending"]:  # every case, not only the last
-                assert pending == {unit: stage == 2 for unit, (stage, _) in res["stages"].items()}, name
-        # the two replicas of a shard hold disjoint halves: together exactly HSDP's state
-        partner = rank ^ 2  # mesh (replicate, shard): ranks r and r+2 share a shard
-        for res, other in zip(rank_result["cases"], results[partner]["cases"]):
-            assert res["ex_state_bytes"] + other["ex_state_bytes"] == res["hsdp_state_bytes"], res["name"]
+def _expected_clip_stats(clipped: list[bool]) -> tuple[int, int]:
+    """(speculated, mispredicted) steps under the adaptive rule: no speculation after a clipped step."""
+    speculated = mispredicted = 0
+    previous = False
+    for c in clipped:
+        if not previous:
+            speculated += 1
+            mispredicted += c
+        previous = c
+    return speculated, mispredicted
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(60)
-def test_executor_matches_hsdp_on_4_gloo_ranks(tmp_path):
+def _check_case(rank, case, res, stages):
+    name, hsdp, ex = case["name"], res["hsdp"], res["ex"]
+    tol = {"rtol": 1e-3, "atol": 1e-4} if case.get("mp") else {"rtol": 1e-6, "atol": 1e-6}
+    for fqn, expect in hsdp["params"].items():
+        torch.testing.assert_close(ex["params"][fqn], expect, **tol, msg=f"{name} {fqn} rank {rank}")
+    assert ex["losses"] == pytest.approx(hsdp["losses"], rel=1e-3 if case.get("mp") else 1e-5), name
+    if "exact" in res:  # stage 1 during backward == everything in step(), bit for bit
+        for fqn, expect in res["exact"]["params"].items():
+            assert torch.equal(ex["params"][fqn], expect), (name, fqn, rank)
+        assert ex["losses"] == res["exact"]["losses"] and ex["norms"] == res["exact"]["norms"], name
+    # each replica keeps half of its shard's state (within one element per unit and state tensor)
+    assert abs(2 * ex["state_bytes"] - hsdp["state_bytes"]) <= 3 * 2 * 4, (name, rank)
+    for pending in ex["pending"]:  # stage-2 exchanges are in flight after step(), stage-1 ones are done
+        assert pending == {unit: stage == 2 for unit, (stage, _) in stages.items()}, name
+    stats, steps = ex["stats"], jobs.NUM_STEPS
+    assert stats["steps"] == steps and stats["stage1_scheduled"] == 2, name
+    clip = res["max_grad_norm"]
+    if clip is None:
+        assert stats["stage1_launched"] == 2 and stats["clip_speculated"] == 0, name
+        return
+    assert ex["norms"] == pytest.approx(hsdp["norms"], rel=1e-5), name
+    clipped = [n > clip for n in hsdp["norms"]]
+    assert (stats["clip_speculated"], stats["clip_mispredicted"]) == _expected_clip_stats(clipped), name
+    assert stats["stage1_launched"] == 2 * stats["clip_speculated"] / steps, name
+    return clipped
+
+
+@pytest.fixture(scope="module")
+def gloo_results(tmp_path_factory):
     plan = _plan("wan")
-    results = jobs.spawn(4, tmp_path, plan.to_dict(), CASES, emulated=False)
-    assert results[0]["backend"] == "gloo"
-    _check(results, CASES)
-    stages = results[0]["cases"][0]["stages"]
-    assert {name: (s.stage, s.order) for name, s in ((s.unit, s) for s in plan.schedule.slots)} == stages
+    return plan, jobs.spawn(4, tmp_path_factory.mktemp("executor"), plan.to_dict(), GLOO_CASES, emulated=False)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(60)
-def test_executor_matches_hsdp_over_the_emulated_backend(tmp_path):
-    plan = _plan(pj.FAST_WAN)
-    # a schedule with both stages: the root exchanged during "backward" (stage 1), the blocks in reverse order
+@pytest.mark.timeout(240)
+def test_executor_matches_hsdp_on_4_gloo_ranks(gloo_results):
+    plan, results = gloo_results
+    assert results[0]["backend"] == "gloo"
+    stages = {s.unit: (s.stage, s.order) for s in plan.schedule.slots}
+    assert stages == {"<root>": (2, 2), "blocks.0-1": (1, 1), "blocks.2-3": (1, 0)}
+    clipped = {}
+    for rank, rank_result in enumerate(results):
+        for case, res in zip(GLOO_CASES, rank_result["cases"]):
+            assert res["ex"]["stages"] == stages, case["name"]
+            clipped[case["name"]] = _check_case(rank, case, res, stages)
+        # the two replicas of a shard hold disjoint halves: together exactly HSDP's state
+        for res, other in zip(rank_result["cases"], results[rank ^ 2]["cases"]):
+            assert res["ex"]["state_bytes"] + other["ex"]["state_bytes"] == res["hsdp"]["state_bytes"], res["name"]
+    assert clipped["adamw-clip"] == [True] * jobs.NUM_STEPS  # (a) clipping on every step
+    assert clipped["sgd-clip-never"] == [False] * jobs.NUM_STEPS  # (b) never
+    # (c) both paths ran: speculation kept, speculation redone, no speculation after a clipped step
+    assert clipped["sgd-clip-alternate"] == [False, True, False]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_executor_misuse_and_labels_on_4_gloo_ranks(gloo_results):
+    _plan, results = gloo_results
+    by_name = {c["name"]: i for i, c in enumerate(GLOO_CASES)}
+    for rank_result in results:
+        errors = rank_result["cases"][by_name["adamw-accum"]]["ex"]["errors"]
+        assert len(errors) == 2 and all("\n" not in e for e in errors), errors
+        assert "zero_grad() after a synced backward" in errors[0] and "call step()" in errors[0]
+        assert "a second synced backward before step()" in errors[1]
+        assert "set_requires_gradient_sync(False)" in errors[1]
+        ex = rank_result["cases"][by_name["sgd-clip-alternate"]]["ex"]
+        seen = _check_collectives_labelled(ex["events"], ("FSDP::",))
+        h = labels.SHARD
+        assert {h.GRAD_REDUCE_SCATTER, h.GRAD_WAIT, h.GRAD_NORM, h.PARAM_ALL_GATHER, h.PARAM_WAIT, h.UPDATE,
+                h.TIMINGS} <= seen, seen
+        assert ex["calibrated"] is not None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_executor_stage1_and_calibration_over_the_emulated_backend(tmp_path):
+    plan = _plan(pj.FAST_WAN, stage1=False)
+    # a schedule with both stages: the root exchanged first (stage 1: at the end of backward), the blocks in reverse
     slots = tuple(dataclasses.replace(s, stage=1 if s.unit == "<root>" else 2,
                                       order={"<root>": 0, "blocks.2-3": 1, "blocks.0-1": 2}[s.unit])
                   for s in plan.schedule.slots)
-    plan = dataclasses.replace(plan, schedule=dataclasses.replace(plan.schedule, slots=slots))
-    cases = [CASES[1], CASES[2]]
-    results = jobs.spawn(4, tmp_path, plan.to_dict(), cases, emulated=True)
+    odd = dataclasses.replace(plan, schedule=dataclasses.replace(plan.schedule, slots=slots))
+    cases = [{"name": "adamw-odd-schedule", "optimizer": "adamw", "plan": odd.to_dict()},
+             {"name": "sgd-clip-slow", "optimizer": "sgd", "max_grad_norm": 1e6, "slow": True, "calibrate": True}]
+    results = jobs.spawn(4, tmp_path, jobs.with_stage1_schedule(plan, 0.01).to_dict(), cases, emulated=True)
     assert results[0]["backend"] == "emu"
     assert results[0]["op_counts"].get("reduce_scatter", 0) > 0 and results[0]["op_counts"].get("all_gather", 0) > 0
-    _check(results, cases)
-    assert results[0]["cases"][0]["stages"] == {"<root>": (1, 0), "blocks.2-3": (2, 1), "blocks.0-1": (2, 2)}
+    schedules = set()
+    for rank, rank_result in enumerate(results):
+        odd_res, res = rank_result["cases"]
+        assert odd_res["ex"]["stages"] == {"<root>": (1, 0), "blocks.2-3": (2, 1), "blocks.0-1": (2, 2)}
+        for pending in odd_res["ex"]["pending"]:
+            assert pending == {"<root>": False, "blocks.2-3": True, "blocks.0-1": True}
+        for r in (odd_res, res):
+            for fqn, expect in r["hsdp"]["params"].items():
+                torch.testing.assert_close(r["ex"]["params"][fqn], expect, rtol=1e-6, atol=1e-6, msg=f"{fqn} {rank}")
+        before, after = res["ex"]["stats_before"], res["ex"]["stats_after"]
+        # both blocks launched during backward; the first of them can finish in the sleep before the root's hook
+        assert before["stage1_launched"] == 2 and before["stage1_units"] > 0, before
+        assert before["clip_speculated"] == jobs.NUM_STEPS and before["clip_mispredicted"] == 0, before
+        sched = res["ex"]["schedule"]
+        assert sched.num_stage1 >= 1 and after["stage1_scheduled"] == sched.num_stage1, (sched, after)
+        assert all(t.backward_s > 0 and t.forward_s > 0 for t in sched.timings), sched.timings
+        assert res["ex"]["schedule_stages"] == {s.unit: (s.stage, s.order) for s in sched.slots}
+        assert after["backward_s"] > 3 * jobs.SLEEP_S and after["update_s"] > 0, after
+        schedules.add(json.dumps(sched.to_dict(), sort_keys=True))
+    assert len(schedules) == 1  # the timings are the maximum over the world: one schedule on every rank
 
 
 @pytest.mark.slow
@@ -94,17 +180,33 @@ def test_executor_refuses_non_elementwise_optimizers(make):
     assert str(info.value) == expect
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(30)
-def test_executor_refuses_plans_without_state_sharding():
+def test_executor_refuses_bad_input_before_any_collective():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     plan = _plan("wan")
+    sgd = lambda g: torch.optim.SGD(g, lr=0.1)  # noqa: E731
     flat = dataclasses.replace(plan, state_sharding=dataclasses.replace(plan.state_sharding, axis=None))
-    with pytest.raises(PlannerError, match="does not shard optimizer state across a replicate axis"):
-        TwoStageExecutor(pj.Net(), flat, lambda g: torch.optim.SGD(g, lr=0.1))
+    partial = dataclasses.replace(plan, param_sharding="replicated", strategy="partial")
+    bad = [
+        ((pj.Net(), flat, sgd), {}, "does not shard optimizer state across a replicate axis"),
+        ((pj.Net(), partial, sgd), {}, "keeps parameters replicated (partial sharding); use PartialShardExecutor"),
+        ((pj.Net().to(torch.bfloat16), plan, sgd), {}, "needs float32 model parameters"),
+        ((pj.Net(), plan, sgd), {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.float16)},
+         "reduces gradients in torch.float16"),
+        ((pj.Net(), plan, sgd), {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                   reduce_dtype=torch.float64)}, "float64"),
+        ((pj.Net(), plan, sgd), {"max_grad_norm": -1.0}, "max_grad_norm = -1.0 is invalid"),
+        ((pj.Net(), plan, sgd), {"update_in_backward": "yes"}, "update_in_backward = 'yes'"),
+    ]
+    for args, kwargs, match in bad:
+        with pytest.raises(PlannerError) as info:
+            TwoStageExecutor(*args, **kwargs)
+        assert match in str(info.value) and "\n" not in str(info.value), (match, str(info.value))
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(150)
 def test_executor_state_dict_round_trips_through_dcp(tmp_path):
     """Train k steps, dcp.save model + executor state, load into a fresh model/executor (another
     init), continue to N: bit-identical parameters to an uninterrupted run (AdamW, with and without
@@ -113,6 +215,10 @@ def test_executor_state_dict_round_trips_through_dcp(tmp_path):
              {"name": "adamw-clip-stateful", "optimizer": "adamw", "max_grad_norm": 0.05, "k": 2, "stateful": True},
              {"name": "sgd-k1", "optimizer": "sgd", "k": 1}]
     results = jobs.spawn_resume(4, tmp_path, _plan("wan").to_dict(), cases)
+    check_resumed(results, "TwoStageExecutor")
+
+
+def check_resumed(results, who):
     keys = set()
     for rank, rank_result in enumerate(results):
         for res in rank_result["cases"]:
@@ -125,7 +231,7 @@ def test_executor_state_dict_round_trips_through_dcp(tmp_path):
             assert res["resumed_losses"] == pytest.approx(res["full_losses"], rel=0, abs=1e-7), name
             assert len(res["errors"]) == 2, name
             assert "no optimizer state for this rank's mesh coordinates" in res["errors"][0]
-            assert "cannot reshard optimizer state" in res["errors"][1]
+            assert f"{who} cannot reshard" in res["errors"][1]
             keys.add(tuple(res["optim_keys"]))  # every case, not only the last
     # every rank saves its own optimizer entry, named by its (replicate, shard) coordinates
     assert keys == {(f"rep{r}of2_shard{s}of2",) for r in range(2) for s in range(2)}

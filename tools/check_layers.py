@@ -19,9 +19,10 @@ Rules, checked over every ``.py`` file under ``cpdpkit/`` and ``profiler/``:
   ``cpdpkit.network``, ``cpdpkit.topology`` and itself, and never torch, not even in a function.
 * **torch-free**: these modules do not import torch at module level (``cpdpkit --help``,
   ``cpdpkit plan``, ``profile`` and ``topology`` must start without it): ``cpdpkit/__init__``,
-  ``errors``, ``labels``, ``network``, ``topology``, ``_env``, ``planner/*`` except ``apply`` and
-  ``executor``, ``launch``, ``cli/*`` and ``profiler/*``. Imports under ``if TYPE_CHECKING:`` and
-  inside functions do not count.
+  ``errors``, ``labels``, ``network``, ``topology``, ``_env``, ``planner/*`` except the appliers
+  and executors (``apply``, ``executor``, ``partial``, ``_slices``, ``_executor_state``),
+  ``launch``, ``cli/*`` and ``profiler/*``. Imports under ``if TYPE_CHECKING:`` and inside
+  functions do not count.
 * **torch-free, transitive**: the same modules do not *reach* torch through the module-level
   imports of other cpdpkit modules either; one line per import that leaves the torch-free set
   towards a module that imports torch at import time (``--direct-only`` skips this rule).
@@ -80,7 +81,8 @@ TORCH_FREE = (
     "cpdpkit", "cpdpkit.errors", "cpdpkit.labels", "cpdpkit.network", "cpdpkit.topology", "cpdpkit._env",
     "cpdpkit.planner.*", "cpdpkit.launch", "cpdpkit.cli.*", "cpdpkit.profiler.*",
 )
-TORCH_ALLOWED = ("cpdpkit.planner.apply", "cpdpkit.planner.executor")  # FSDP2 appliers, listed as exceptions
+TORCH_ALLOWED = ("cpdpkit.planner.apply", "cpdpkit.planner.executor", "cpdpkit.planner.partial",
+                 "cpdpkit.planner._slices", "cpdpkit.planner._executor_state")  # the appliers and executors
 TORCH_PACKAGES = ("torch", "torchvision", "torchaudio", "functorch")
 
 

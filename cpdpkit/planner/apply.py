@@ -88,6 +88,9 @@ def apply_plan(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh | None = N
     """
     if not isinstance(plan, ShardingPlan):
         raise TypeError(f"plan = {type(plan).__name__} must be a ShardingPlan (ShardingPlan.load(path) reads a file)")
+    if plan.param_sharding == "replicated":
+        raise PlannerError(f"plan {plan.strategy!r} keeps parameters replicated, so there is nothing for FSDP2 to "
+                           "shard: train it with cpdpkit.planner.PartialShardExecutor")
     dims = _placement_dims(model, plan)
     mesh = _mesh_for(plan, mesh, model)
     extra: dict[str, Any] = {}

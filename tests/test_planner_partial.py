@@ -1,0 +1,167 @@
+"""PartialShardExecutor (replicated parameters; gradients and optimizer state sharded over all ranks,
+node first) vs plain data parallelism (gradients all-reduced with mean, the whole optimizer) on 4 gloo
+ranks (2 nodes x 2): SGD+momentum and AdamW, stage 1 during backward bit-identical to updating in
+step(), exact clipping, gradient accumulation, a quarter of the optimizer state per rank, every
+collective labelled, a checkpoint round trip; over the emulated backend no more wire bytes per tier
+than a ring all-reduce of the model, stage-1 evidence and calibration; the one-line refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import _executor_jobs as ej
+import _partial_jobs as jobs
+import _planner_jobs as pj
+from cpdpkit import labels
+from cpdpkit.planner import PlannerConfig, PlannerError, plan_sharding
+from cpdpkit.planner.partial import PartialShardExecutor
+from test_labels import _check_collectives_labelled
+from test_planner_executor import ALTERNATE, _expected_clip_stats, check_resumed
+
+CONFIG = PlannerConfig(param_dtype="float32", grad_dtype="float32", optim_state_bytes_per_param=8,
+                       min_unit_bytes=1000, param_sharding="replicated")
+GLOO_CASES = [
+    {"name": "sgd", "optimizer": "sgd", "exact": True},
+    {"name": "adamw", "optimizer": "adamw", "exact": True},
+    {"name": "adamw-clip", "optimizer": "adamw", "max_grad_norm": 0.05, "exact": True},
+    {"name": "sgd-clip-alternate", "optimizer": "sgd", "max_grad_norm": "alternate", "loss_scales": ALTERNATE,
+     "exact": True, "profile": True},
+    {"name": "adamw-accum", "optimizer": "adamw", "accum": 2, "exact": True, "errors": True},
+]
+RESUME_CASES = [{"name": "adamw-resume", "optimizer": "adamw", "k": 2},
+                {"name": "sgd-clip-resume-stateful", "optimizer": "sgd", "max_grad_norm": 0.05, "k": 2,
+                 "stateful": True}]
+
+
+def _plan(topology, stage1=True):
+    with torch.device("meta"):
+        net = pj.Net()
+    plan = plan_sharding(net, topology, world_size=4, config=CONFIG)
+    assert plan.param_sharding == "replicated" and plan.strategy == "partial" and plan.mesh.shape == (2, 2)
+    assert plan.state_sharding.axis == "world" and plan.schedule is not None
+    return ej.with_stage1_schedule(plan) if stage1 else plan
+
+
+@pytest.fixture(scope="module")
+def gloo_results(tmp_path_factory):
+    plan = _plan("wan")
+    return plan, jobs.spawn(tmp_path_factory.mktemp("partial"), plan.to_dict(), GLOO_CASES + RESUME_CASES,
+                            emulated=False)
+
+
+def _check_case(rank, case, res):
+    name, ref, ex = case["name"], res["ref"], res["ex"]
+    for fqn, expect in ref["params"].items():
+        torch.testing.assert_close(ex["params"][fqn], expect, rtol=1e-5, atol=1e-6, msg=f"{name} {fqn} rank {rank}")
+    assert ex["losses"] == pytest.approx(ref["losses"], rel=1e-5), name
+    assert ex["grads_freed"], name  # param.grad is freed once the unit's gradient is flattened
+    for fqn, expect in res["exact"]["params"].items():  # stage 1 during backward == all in step(), bit for bit
+        assert torch.equal(ex["params"][fqn], expect), (name, fqn, rank)
+    # a quarter of the whole model's optimizer state (within one element per unit and state tensor)
+    assert abs(4 * ex["state_bytes"] - ref["state_bytes"]) <= 4 * 3 * 2 * 4, (name, rank)
+    stats = ex["stats"]
+    assert stats["steps"] == ej.NUM_STEPS and stats["stage1_scheduled"] == 2, name
+    clip = res["max_grad_norm"]
+    if clip is None:
+        assert stats["stage1_launched"] == 2 and stats["clip_speculated"] == 0, name
+        return None
+    assert ex["norms"] == pytest.approx(ref["norms"], rel=1e-5), name
+    clipped = [n > clip for n in ref["norms"]]
+    assert (stats["clip_speculated"], stats["clip_mispredicted"]) == _expected_clip_stats(clipped), name
+    return clipped
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_partial_matches_data_parallel_on_4_gloo_ranks(gloo_results):
+    plan, results = gloo_results
+    assert results[0]["backend"] == "gloo"
+    stages = {s.unit: (s.stage, s.order) for s in plan.schedule.slots}
+    assert stages == {"<root>": (2, 2), "blocks.0-1": (1, 1), "blocks.2-3": (1, 0)}
+    clipped = {}
+    for rank, rank_result in enumerate(results):
+        for case, res in zip(GLOO_CASES, rank_result["cases"]):
+            assert res["ex"]["stages"] == stages, case["name"]
+            clipped[case["name"]] = _check_case(rank, case, res)
+    for i, case in enumerate(GLOO_CASES):  # the four ranks' slices partition the state exactly
+        states = [r["cases"][i]["ex"]["state_bytes"] for r in results]
+        assert sum(states) == results[0]["cases"][i]["ref"]["state_bytes"], (case["name"], states)
+    assert clipped["adamw-clip"] == [True] * ej.NUM_STEPS
+    assert clipped["sgd-clip-alternate"] == [False, True, False]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_partial_misuse_labels_and_checkpoint_on_4_gloo_ranks(gloo_results):
+    _plan, results = gloo_results
+    by_name = {c["name"]: i for i, c in enumerate(GLOO_CASES)}
+    for rank_result in results:
+        errors = rank_result["cases"][by_name["adamw-accum"]]["ex"]["errors"]
+        assert len(errors) == 2 and "zero_grad() after a synced backward" in errors[0], errors
+        assert "a second synced backward before step()" in errors[1], errors
+        ex = rank_result["cases"][by_name["sgd-clip-alternate"]]["ex"]
+        seen = _check_collectives_labelled(ex["events"], ())
+        h = labels.SHARD
+        assert {h.GRAD_REDUCE_SCATTER, h.GRAD_WAIT, h.GRAD_NORM, h.PARAM_ALL_GATHER, h.PARAM_WAIT, h.UPDATE,
+                h.TIMINGS} <= seen, seen
+    resumed = [{"cases": r["cases"][len(GLOO_CASES):]} for r in results]
+    check_resumed(resumed, "PartialShardExecutor")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_partial_bytes_stage1_and_calibration_over_the_emulated_backend(tmp_path):
+    plan = _plan(pj.FAST_WAN)
+    cases = [{"name": "bytes", "optimizer": "adamw", "bytes": True},
+             {"name": "slow", "optimizer": "adamw", "max_grad_norm": 1e6, "slow": True, "calibrate": True}]
+    results = jobs.spawn(tmp_path, ej.with_stage1_schedule(plan, 0.01).to_dict(), cases, emulated=True)
+    assert results[0]["backend"] == "emu"
+    topo = plan.topology
+    model_bytes = 4 * sum(p.numel() for p in pj.Net().parameters())
+    ddp = ej.NUM_STEPS * topo.group(range(4)).cost("all_reduce", model_bytes).wire_bytes
+    node, nodes = topo.group([0, 1]), topo.group([0, 2])
+    expect = {"LAN": 0, "WAN": 0}  # the network model's bytes of the four collectives per unit
+    for u in plan.units:
+        c = math.ceil(u.numel / 2)
+        d = math.ceil(c / 2)
+        expect["LAN"] += node.wire_bytes("reduce_scatter", 2 * c * 4) + node.wire_bytes("all_gather", 2 * c * 4)
+        expect["WAN"] += nodes.wire_bytes("reduce_scatter", 2 * d * 4) + nodes.wire_bytes("all_gather", 2 * d * 4)
+    for rank, rank_result in enumerate(results):
+        metered, slow = rank_result["cases"]
+        tiers = metered["bytes_by_tier"]
+        assert tiers == {tier: ej.NUM_STEPS * b for tier, b in expect.items()}, (rank, tiers)
+        assert all(b <= 1.01 * ddp for b in tiers.values()) and sum(tiers.values()) <= 1.01 * ddp, (tiers, ddp)
+        before = slow["ex"]["stats_before"]
+        assert before["stage1_launched"] == 2 and before["stage1_units"] > 0, before
+        sched = slow["ex"]["schedule"]
+        assert sched.num_stage1 >= 1 and slow["ex"]["stats_after"]["stage1_scheduled"] == sched.num_stage1
+        for fqn, expect_param in slow["ref"]["params"].items():
+            torch.testing.assert_close(slow["ex"]["params"][fqn], expect_param, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(30)
+def test_partial_refuses_bad_input_before_any_collective():
+    plan = _plan("wan")
+    sgd = lambda g: torch.optim.SGD(g, lr=0.1)  # noqa: E731
+    sharded = dataclasses.replace(plan, param_sharding="sharded")
+
+    class Bigger(pj.Net):
+        def __init__(self) -> None:
+            super().__init__()
+            self.extra = torch.nn.Linear(2, 2)
+
+    bad = [
+        ((pj.Net(), sharded, sgd), {}, "PartialShardExecutor runs partial plans"),
+        ((pj.Net().to(torch.float16), plan, sgd), {}, "needs float32 model parameters"),
+        ((Bigger(), plan, sgd), {}, "parameter 'extra.weight' of the model is not in the plan"),
+        ((pj.Net(), plan, lambda g: torch.optim.LBFGS(g)), {}, "cannot run optimizer LBFGS"),
+        ((pj.Net(), plan, sgd), {"max_grad_norm": 0}, "max_grad_norm = 0 is invalid"),
+    ]
+    for args, kwargs, match in bad:
+        with pytest.raises(PlannerError) as info:
+            PartialShardExecutor(*args, **kwargs)
+        assert match in str(info.value) and "\n" not in str(info.value), (match, str(info.value))
