@@ -1,6 +1,8 @@
-"""cpdpkit bench sharding: one quick end-to-end run (fsdp2, hsdp, planned, two-stage over the emulated
-slow-IB cluster), the one-line refusals of bad configurations (exit 2, before any launch), the
-sub-command's own options and defaults, and the deprecated ``cpdpkit bench --suite sharding``."""
+"""cpdpkit bench sharding: one quick end-to-end run (hsdp, the ZeRO peers and both executors over the
+emulated slow-IB cluster), the goals' arithmetic, the ZeRO peers' unsupported cases (clipping with
+overlap, torch's refusal of gloo), the one-line refusals of bad configurations (exit 2, before any
+launch), the sub-command's own options and defaults, and the deprecated ``cpdpkit bench --suite
+sharding``."""
 
 from __future__ import annotations
 
@@ -20,25 +22,31 @@ from cpdpkit.cli import app
 RESULT_KEYS = {"strategy": str, "step_s": float, "exposed_comm_s_per_step": float, "tier_bytes_per_step": dict,
                "optimizer_state_bytes_per_rank": int, "peak_mem_bytes": int, "final_loss": float}
 SHARDING_OPTIONS = {"--strategies", "--model", "--world-size", "--topology", "--batch-size", "--lr", "--steps",
-                    "--optimizer", "--memory-budget", "--max-grad-norm", "--quick", "--profile", "--json",
-                    "--work-dir"}
+                    "--optimizer", "--memory-budget", "--min-unit-bytes", "--max-grad-norm", "--quick", "--profile",
+                    "--json", "--work-dir"}
+QUICK_STRATEGIES = ("hsdp", "zero1", "zero1-overlap", "two-stage", "partial")
 NOTICE = "note: `cpdpkit bench --suite sharding` is deprecated; use `cpdpkit bench sharding` (same options)"
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
-def test_quick_sharding_suite_runs_all_four_and_two_stage_matches_hsdp(tmp_path):
+@pytest.mark.timeout(300)
+def test_quick_sharding_suite_runs_the_peers_and_executors_and_judges_their_goals(tmp_path):
+    # Each strategy is its own 4-rank torchrun job (~7-8 s of process start-up on 2 cores before any
+    # step), so this CI run takes the strategies with code of their own in the suite: fsdp2 and planned
+    # run the same FSDP2 branch of the worker as hsdp (apply_plan has its own tests) and are left out.
     out = tmp_path / "s.json"
-    proc = subprocess.run([sys.executable, "-m", "cpdpkit.cli", "bench", "sharding", "--quick",
-                           "--json", str(out)], capture_output=True, text=True, timeout=170)
+    proc = subprocess.run([sys.executable, "-m", "cpdpkit.cli", "bench", "sharding", "--quick", "--strategies",
+                           ",".join(QUICK_STRATEGIES), "--json", str(out)], capture_output=True, text=True, timeout=290)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "two-stage" in proc.stdout and "exposed ms/step" in proc.stdout
+    assert "two-stage" in proc.stdout and "exposed ms/step" in proc.stdout and "stage1 meas/pred" in proc.stdout
     assert "deprecated" not in proc.stderr
     report = json.loads(out.read_text())
-    assert report["config"]["topology"] == "cluster-slow-ib" and report["config"]["world_size"] == 4
-    assert report["config"]["model"] == "gpt-micro" and report["config"]["steps"] == 4
+    cfg = report["config"]
+    assert cfg["topology"] == "cluster-slow-ib" and cfg["world_size"] == 4
+    assert cfg["model"] == "gpt-micro" and cfg["steps"] == 4
+    assert cfg["plan"]["strategy"] != "partial" and cfg["partial_plan"]["strategy"] == "partial"
     results = {r["strategy"]: r for r in report["results"]}
-    assert list(results) == ["fsdp2", "hsdp", "planned", "two-stage"]
+    assert list(results) == list(QUICK_STRATEGIES)
     for r in results.values():
         assert r["status"] == "ok", r
         for key, kind in RESULT_KEYS.items():
@@ -46,18 +54,42 @@ def test_quick_sharding_suite_runs_all_four_and_two_stage_matches_hsdp(tmp_path)
         assert all(isinstance(t, str) and isinstance(b, int) and b > 0 for t, b in r["tier_bytes_per_step"].items())
         # every strategy waits on the 1 ms IB link at least once a step, and waiting is part of the step
         assert 0 < r["exposed_comm_s_per_step"] < r["step_s"], r
-    hsdp, two = results["hsdp"], results["two-stage"]
-    replicas = report["config"]["num_replicas"]
+    hsdp, two, partial = results["hsdp"], results["two-stage"], results["partial"]
+    replicas, rpn, world = cfg["num_replicas"], cfg["ranks_per_node"], cfg["world_size"]
     assert replicas == 2
     assert two["optimizer_state_bytes_per_rank"] * replicas == hsdp["optimizer_state_bytes_per_rank"]
-    assert abs(two["final_loss"] - hsdp["final_loss"]) <= 1e-4
+    # partial shards the state over the whole world: hsdp's node shard split once more over the replicas
+    assert partial["optimizer_state_bytes_per_rank"] * world == hsdp["optimizer_state_bytes_per_rank"] * rpn
+    for name in ("two-stage", "zero1", "zero1-overlap", "partial"):  # same seed, data and optimizer as hsdp
+        assert abs(results[name]["final_loss"] - hsdp["final_loss"]) <= 1e-4, name
     # Computed independently of the emulator's count: with a node-sharded mesh, the only IB traffic is the
     # all-reduce of each rank's fp32 gradient shard (1/ranks_per_node of the model, no padding for gpt-micro's
-    # even shapes) across the 2 replicas, where a ring sends 2 (r - 1) / r = 1 shard.
-    shard_bytes = GPT_PRESETS["gpt-micro"].num_params * 4 // report["config"]["ranks_per_node"]
-    for name in ("hsdp", "planned", "two-stage"):
-        assert results[name]["tier_bytes_per_step"]["IB"] == shard_bytes, name
-    assert report["goals"]["optimizer_state_met"] and report["goals"]["final_loss_met"]
+    # even shapes) across the 2 replicas, where a ring sends 2 (r - 1) / r = 1 shard; partial sends the same
+    # shard as a reduce-scatter and an all-gather of its halves. DDP (the ZeRO peers) all-reduces the whole
+    # model over the world (a ring sends 2 (w - 1) / w of it), then ZeRO broadcasts the updated parameters.
+    model_bytes = GPT_PRESETS["gpt-micro"].num_params * 4
+    for name in ("hsdp", "two-stage", "partial"):
+        assert results[name]["tier_bytes_per_step"]["IB"] == model_bytes // rpn, name
+    for name in ("zero1", "zero1-overlap"):
+        assert set(results[name]["tier_bytes_per_step"]) == {"IB"}, name
+        assert results[name]["tier_bytes_per_step"]["IB"] > 2 * (world - 1) * model_bytes // world, name
+    for name in ("two-stage", "partial"):
+        r = results[name]
+        assert isinstance(r["num_units"], int) and r["num_units"] >= 1 and r["calibrated"] is True, r
+        assert 0 <= r["stage1_units"] <= r["num_units"] and 0 <= r["stage1_units_predicted"] <= r["num_units"], r
+        assert r["clip_speculated"] == 0 and r["clip_mispredicted"] == 0, r  # no --max-grad-norm
+    goals = report["goals"]
+    assert goals["optimizer_state_met"] and goals["final_loss_met"]
+    assert all(g["met"] for g in goals["final_loss_vs_hsdp"].values()) and set(goals["final_loss_vs_hsdp"]) == {
+        "zero1", "zero1-overlap", "partial"}
+    assert goals["two_stage_vs_peers"]["peers"] == ["hsdp", "zero1", "zero1-overlap"]
+    assert set(goals["two_stage_vs_peers"]["exposed_comm"]) == {"hsdp", "zero1", "zero1-overlap"}
+    assert goals["partial"]["allreduce_wire_bytes"] == 2 * (world - 1) * model_bytes // world
+    assert goals["partial"]["bytes_met"] and goals["partial"]["optimizer_state_met"]
+    assert set(goals["stage1"]) == {"two-stage", "partial"}
+    for line in ("two-stage vs fastest peer (", "zero1 final loss |diff|", "partial bytes/step per link vs one DDP "
+                 "all-reduce", "partial optimizer state", "partial stage-1 exchanges per step: measured"):
+        assert line in proc.stdout, line
 
 
 @pytest.mark.slow
@@ -69,6 +101,8 @@ def test_quick_sharding_suite_runs_all_four_and_two_stage_matches_hsdp(tmp_path)
     (["--memory-budget", "1MiB"], "memory budget 1.00 MiB per rank is too small"),
     (["--model", "resnet50"], "unknown model 'resnet50'"),
     (["--max-grad-norm", "0"], "--max-grad-norm must be > 0, got 0.0: e.g. --max-grad-norm 1.0"),
+    (["--strategies", "zero2"], "unknown strategy 'zero2' for cpdpkit bench sharding: choose from fsdp2, hsdp, "
+                                "zero1, zero1-overlap, planned, two-stage, partial"),
 ])
 def test_bad_sharding_configuration_is_one_line_exit_2(args, expect, tmp_path):
     result = CliRunner().invoke(app, ["bench", "sharding", "--work-dir", str(tmp_path / "w"), *args])
@@ -102,11 +136,12 @@ def test_sharding_help_defaults_are_the_configs():
     config = ShardingBenchConfig()
     documented = {p.name: str(p.show_default).split(";")[0].strip() for p in _sharding_command().params
                   if isinstance(p.show_default, str)}
-    assert documented.pop("strategies") == "all four" and config.strategies == SHARDING_STRATEGIES
+    assert documented.pop("strategies") == "all seven" and config.strategies == SHARDING_STRATEGIES
     assert documented.pop("memory_budget") == "no limit" and config.memory_budget is None
     assert documented.pop("max_grad_norm") == "no clipping" and config.max_grad_norm is None
     assert documented == {name: str(getattr(config, name)) for name in documented}
-    assert set(documented) == {"model", "world_size", "topology", "batch_size", "lr", "steps", "optimizer"}
+    assert set(documented) == {"model", "world_size", "topology", "batch_size", "lr", "steps", "optimizer",
+                               "min_unit_bytes"}
 
 
 def _captured_config(monkeypatch: pytest.MonkeyPatch, args: list[str]) -> tuple[object, CliRunner]:
@@ -141,3 +176,72 @@ def test_deprecated_suite_option_keeps_one_line_errors(tmp_path):
     assert lines[0] == NOTICE and len(lines) == 2, result.stderr
     assert lines[1].startswith("error: world size 3 does not factor into topology 'cluster-slow-ib'")
     assert not (tmp_path / "w").exists()
+
+
+def _ok(strategy: str, step_ms: float, exposed_ms: float, state: int, loss: float = 5.0, **extra: object) -> dict:
+    return {"strategy": strategy, "status": "ok", "step_s": step_ms / 1e3, "exposed_comm_s_per_step": exposed_ms / 1e3,
+            "optimizer_state_bytes_per_rank": state, "final_loss": loss, "tier_bytes_per_step": {"IB": 100}, **extra}
+
+
+def test_goals_compare_two_stage_with_every_peer_and_partial_with_ddp_bytes():
+    from cpdpkit.bench.sharding import _goals
+
+    results = [_ok("fsdp2", 100, 60, 400), _ok("hsdp", 120, 40, 800), _ok("zero1", 80, 30, 400),
+               {"strategy": "zero1-overlap", "status": "unsupported", "reason": "no clipping"},
+               _ok("two-stage", 60, 15, 400, loss=5.00005, stage1_units=1.5, stage1_units_predicted=3, num_units=4),
+               _ok("partial", 70, 20, 200, loss=5.001, tier_bytes_per_step={"IB": 1010, "NVLINK": 1011},
+                   stage1_units=2.0, stage1_units_predicted=3, num_units=4)]
+    goals = _goals(results, num_replicas=2, ranks_per_node=2, allreduce_wire_bytes=1000)
+    assert goals["step_time_ratio"] == pytest.approx(0.5) and goals["exposed_comm_ratio"] == pytest.approx(0.375)
+    assert goals["optimizer_state_met"] and goals["final_loss_met"]
+    vs = goals["two_stage_vs_peers"]
+    assert vs["peers"] == ["fsdp2", "hsdp", "zero1"] and vs["fastest_peer"] == "zero1"  # unsupported: left out
+    assert vs["step_time_ratio"] == pytest.approx(0.75) and vs["step_time_met"]
+    assert vs["exposed_comm"] == {"hsdp": {"ratio": pytest.approx(0.375), "target": 0.5, "met": True},
+                                  "zero1": {"ratio": pytest.approx(0.5), "target": 1.0, "met": True}}
+    assert goals["final_loss_vs_hsdp"]["zero1"]["met"] and not goals["final_loss_vs_hsdp"]["partial"]["met"]
+    p = goals["partial"]
+    assert p["tier_bytes"]["IB"] == {"bytes": 1010, "ratio": pytest.approx(1.01), "met": True}
+    assert not p["tier_bytes"]["NVLINK"]["met"] and not p["bytes_met"]
+    assert p["optimizer_state_target"] == 400 and p["optimizer_state_ratio"] == 0.5 and p["optimizer_state_met"]
+    assert goals["stage1"]["two-stage"]["abs_diff"] == 1.5 and not goals["stage1"]["two-stage"]["met"]
+    assert goals["stage1"]["partial"]["met"]
+    # a missing strategy leaves its goals out; nothing to judge is {}
+    only_partial = _goals([results[-1]], num_replicas=2, ranks_per_node=2, allreduce_wire_bytes=1000)
+    assert set(only_partial) == {"partial", "stage1"} and "optimizer_state_met" not in only_partial["partial"]
+    assert _goals([results[0], results[2]], num_replicas=2, ranks_per_node=2, allreduce_wire_bytes=1000) == {}
+
+
+@pytest.mark.timeout(60)
+def test_zero1_overlap_with_clipping_is_reported_unsupported_without_a_launch(tmp_path):
+    from cpdpkit.bench.zero_peers import OVERLAP_CLIP_REASON
+
+    out = tmp_path / "s.json"
+    result = CliRunner().invoke(app, ["bench", "sharding", "--strategies", "zero1-overlap", "--max-grad-norm", "1",
+                                      "--work-dir", str(tmp_path / "w"), "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    (r,) = json.loads(out.read_text())["results"]
+    assert (r["status"], r["reason"], r["launch_s"]) == ("unsupported", OVERLAP_CLIP_REASON, 0.0)
+    assert not (tmp_path / "w" / "zero1-overlap").exists()  # not launched
+    assert f"zero1-overlap unsupported: {OVERLAP_CLIP_REASON}" in " ".join(result.output.split())
+
+
+@pytest.mark.timeout(60)
+def test_zero1_overlap_on_plain_gloo_is_unsupported_with_torchs_reason():
+    import torch
+    import torch.distributed as dist
+
+    from cpdpkit.bench.gpt import TinyGPT, gpt_preset, token_batch
+    from cpdpkit.bench.zero_peers import ZeroPeerUnsupported, build_zero_peer
+
+    cfg = gpt_preset("gpt-micro")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(ZeroPeerUnsupported) as info:
+            build_zero_peer("zero1-overlap", TinyGPT(cfg), optimizer_class=torch.optim.AdamW,
+                            optimizer_kwargs={"lr": 1e-3}, max_grad_norm=None,
+                            priming_batch=token_batch(cfg, seed=0, step=0, global_batch=1, rank=0, batch_size=1))
+    finally:
+        dist.destroy_process_group()
+    assert str(info.value) == ("torch's hook_with_zero_step on backend 'gloo': Gloo backend using Overlapping DDP "
+                               "with ZeRO may meet hangs")

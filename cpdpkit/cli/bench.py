@@ -188,8 +188,8 @@ def bench(
 
 @bench_app.command("sharding")
 def sharding(
-    strategies: str | None = typer.Option(None, help="Comma-separated subset of fsdp2, hsdp, planned, two-stage.",
-                                             show_default="all four"),
+    strategies: str | None = typer.Option(None, help="Comma-separated subset of fsdp2, hsdp, zero1, zero1-overlap, "
+                                             "planned, two-stage, partial.", show_default="all seven"),
     model: str | None = typer.Option(None, help="gpt-tiny | gpt-small | gpt-micro.",
                                         show_default="gpt-tiny; --quick: gpt-micro"),
     world_size: int | None = typer.Option(None, help="Ranks per run (>= 2 nodes of the topology).",
@@ -203,17 +203,24 @@ def sharding(
     optimizer: str | None = typer.Option(None, help="adamw | adam | sgd.", show_default="adamw"),
     memory_budget: str | None = typer.Option(None, help="Planner memory budget per rank, e.g. 64MiB.",
                                                 show_default="no limit"),
-    max_grad_norm: float | None = typer.Option(None, help="Clip gradients to this global norm.",
+    min_unit_bytes: int | None = typer.Option(None, help="The planner's smallest unit; 1 keeps every block its own "
+                                                 "unit (finer units let more exchanges overlap backward).",
+                                                 show_default="1"),
+    max_grad_norm: float | None = typer.Option(None, help="Clip gradients to this global norm (zero1-overlap "
+                                                  "cannot clip: it is then reported unsupported).",
                                                   show_default="no clipping"),
-    quick: bool = typer.Option(False, "--quick", help="A small smoke run (well under a minute)."),
+    quick: bool = typer.Option(False, "--quick", help="A small smoke run: gpt-micro, at most 4 timed steps (each "
+                                                      "strategy still starts its own ranks: ~15 s each on 2 cores)."),
     profile: str | None = typer.Option(None, "--profile", help="Write traces for every run under DIR."),
     json_out: str | None = typer.Option(None, "--json", help="Write the results as JSON to FILE."),
     work_dir: str | None = typer.Option(None, help="Keep per-run folders here (default: a temp dir)."),
 ) -> None:
-    """fsdp2, hsdp, planned and two-stage on a small GPT over an emulated two-tier cluster; compare them."""
+    """fsdp2, hsdp, ZeRO-1 (zero1, zero1-overlap), planned, two-stage and partial on a small GPT over an emulated
+    two-tier cluster; compare them."""
     config = sharding_config(strategies=strategies, model=model, world_size=world_size, topology=topology,
                              batch_size=batch_size, lr=lr, steps=steps, optimizer=optimizer,
-                             memory_budget=memory_budget, max_grad_norm=max_grad_norm, quick=quick, profile=profile)
+                             memory_budget=memory_budget, min_unit_bytes=min_unit_bytes, max_grad_norm=max_grad_norm,
+                             quick=quick, profile=profile)
     run_sharding_suite(config, json_out=json_out, work_dir=work_dir)
 
 
