@@ -190,12 +190,27 @@ def trace_rank(
         record_shapes=record_shapes,
         with_stack=with_stack,
         profile_memory=profile_memory,
+        experimental_config=_all_threads_config(),
     ) as prof:
         token = _ACTIVE_PROFILER.set(prof)
         try:
             yield prof
         finally:
             _ACTIVE_PROFILER.reset(token)
+
+
+def _all_threads_config() -> Any:
+    """Record every thread, the emulator's link threads included.
+
+    The emulated backend then emits each collective's link-time event on its own thread (see
+    docs/contracts.md). In the default, thread-local mode the event would be entered on the
+    training thread and ended by the link thread, which appends to the training thread's event
+    buffer while that thread records its own events: a data race that crashed ranks (SIGSEGV)
+    when collectives completed during backward.
+    """
+    from torch._C._profiler import _ExperimentalConfig
+
+    return _ExperimentalConfig(profile_all_threads=True)
 
 
 def write_run_json(out_dir: str | os.PathLike[str], **info: Any) -> Path:
