@@ -54,6 +54,10 @@ def test_quick_sharding_suite_runs_the_peers_and_executors_and_judges_their_goal
         assert all(isinstance(t, str) and isinstance(b, int) and b > 0 for t, b in r["tier_bytes_per_step"].items())
         # every strategy waits on the 1 ms IB link at least once a step, and waiting is part of the step
         assert 0 < r["exposed_comm_s_per_step"] < r["step_s"], r
+        # the same waits split by the tier of the group waited on (each tier's max over ranks)
+        by_tier = r["exposed_comm_s_per_step_by_tier"]
+        assert by_tier.get("IB", 0) > 0 and set(by_tier) <= {"IB", "NVLINK"}, r
+        assert all(v <= r["exposed_comm_s_per_step"] + 1e-9 for v in by_tier.values()), r
     hsdp, two, partial = results["hsdp"], results["two-stage"], results["partial"]
     replicas, rpn, world = cfg["num_replicas"], cfg["ranks_per_node"], cfg["world_size"]
     assert replicas == 2
@@ -139,9 +143,20 @@ def test_sharding_help_defaults_are_the_configs():
     assert documented.pop("strategies") == "all seven" and config.strategies == SHARDING_STRATEGIES
     assert documented.pop("memory_budget") == "no limit" and config.memory_budget is None
     assert documented.pop("max_grad_norm") == "no clipping" and config.max_grad_norm is None
+    assert documented.pop("min_unit_bytes") == "0" and config.min_unit_bytes is None  # 0: the planner's units
     assert documented == {name: str(getattr(config, name)) for name in documented}
-    assert set(documented) == {"model", "world_size", "topology", "batch_size", "lr", "steps", "optimizer",
-                               "min_unit_bytes"}
+    assert set(documented) == {"model", "world_size", "topology", "batch_size", "lr", "steps", "optimizer"}
+
+
+def test_min_unit_bytes_zero_is_the_planners_units_and_one_is_per_block():
+    from cpdpkit.bench.sharding import prepare
+    from cpdpkit.cli._bench_sharding import sharding_config
+
+    auto = sharding_config(strategies="two-stage", quick=False, profile=None, min_unit_bytes=0)
+    per_block = sharding_config(strategies="two-stage", quick=False, profile=None, min_unit_bytes=1)
+    assert auto.min_unit_bytes is None and per_block.min_unit_bytes == 1
+    assert [u.name for u in prepare(per_block).plan.units] == ["<root>", *(f"blocks.{i}" for i in range(4))]
+    assert len(prepare(auto).plan.units) < 5  # the planner merges the small blocks
 
 
 def _captured_config(monkeypatch: pytest.MonkeyPatch, args: list[str]) -> tuple[object, CliRunner]:

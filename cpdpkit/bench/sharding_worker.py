@@ -11,6 +11,8 @@ timed steps only (after a barrier; max over ranks unless said otherwise):
   backend's ``Work.wait()`` (every collective of FSDP2 and the executors is waited there: a
   harness measure, not a trace analysis), plus, for the ZeRO peers, the waits on DDP's all-reduce
   futures that DDP does in C++ and :mod:`cpdpkit.bench.zero_peers` clocks.
+  ``exposed_comm_s_per_step_by_tier``: the same split by the tier of the group waited on (each
+  tier's maximum over ranks, so the tiers need not add up to the total).
 * ``tier_bytes_per_step``: wire bytes this rank sent in its collectives, by the tier of their
   process group, as the network model counts them (``cpdpkit.emulator.meter()``, the bytes a plan
   prices; mean over ranks).
@@ -221,9 +223,15 @@ def _train(spec: dict[str, Any], run: _Run, batches: list[tuple[torch.Tensor, to
             if prof is not None:
                 prof.step()
         elapsed = time.perf_counter() - start
-    blocked = (m.blocked_s if m is not None else 0.0) + run.extra_blocked_s() - extra0
+    extra = run.extra_blocked_s() - extra0  # DDP's all-reduce waits: on the world group
+    blocked = (m.blocked_s if m is not None else 0.0) + extra
+    blocked_tiers = dict(m.blocked_s_by_tier) if m is not None else {}
+    if extra:
+        world_tier = getattr(dist.group.WORLD, "tier_name", None) or "LOCAL"
+        blocked_tiers[world_tier] = blocked_tiers.get(world_tier, 0.0) + extra
     tiers = {t: b / spec["steps"] for t, b in m.bytes_by_tier.items()} if m is not None else {}
-    return {"elapsed": elapsed, "blocked": blocked, "tiers": tiers, "loss": loss, "losses": losses}
+    return {"elapsed": elapsed, "blocked": blocked, "blocked_tiers": blocked_tiers, "tiers": tiers, "loss": loss,
+            "losses": losses}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -251,11 +259,14 @@ def main(argv: list[str] | None = None) -> None:
     out = _train(spec, run, batches)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
     steps = spec["steps"]
-    tiers = {t: int(round(_mean(out["tiers"].get(t, 0.0)))) for t in ("NVLINK", "IB", "WAN", "LAN", "LOCAL")}
+    names = ("NVLINK", "IB", "WAN", "LAN", "LOCAL")
+    tiers = {t: int(round(_mean(out["tiers"].get(t, 0.0)))) for t in names}
+    exposed_tiers = {t: _max(out["blocked_tiers"].get(t, 0.0)) / steps for t in names}
     result = {
         **head, "status": "ok", "reason": None,
         "step_s": _max(out["elapsed"]) / steps,
         "exposed_comm_s_per_step": _max(out["blocked"]) / steps,
+        "exposed_comm_s_per_step_by_tier": {t: v for t, v in exposed_tiers.items() if v},
         "tier_bytes_per_step": {t: b for t, b in tiers.items() if b},
         "optimizer_state_bytes_per_rank": int(_max(run.state_bytes())),
         "peak_mem_bytes": int(_max(peak)),

@@ -30,6 +30,8 @@ def sharding_config(*, strategies: str | None, quick: bool, profile: str | None,
     from cpdpkit.bench.sharding import ShardingBenchConfig
 
     args: dict[str, Any] = {name: value for name, value in kw.items() if value is not None}
+    if args.get("min_unit_bytes") == 0:  # 0: the planner's own unit size
+        args["min_unit_bytes"] = None
     if strategies is not None:
         args["strategies"] = tuple(s.strip() for s in strategies.split(",") if s.strip())
     if quick:
@@ -55,7 +57,7 @@ def run_sharding_suite(config: ShardingBenchConfig, *, json_out: str | None, wor
     for r in report.results:
         if r.get("status") != "ok":
             out_console.print(f"{r['strategy']} {r.get('status', 'failed')}: {r.get('reason')}")
-    for line in _goal_lines(report.goals):
+    for line in goal_lines(report.goals):
         out_console.print(line)
     if json_out:
         Path(json_out).write_text(json.dumps(report.to_dict(), indent=1))
@@ -110,7 +112,7 @@ def _mark(ok: bool | None) -> str:
     return "[green]met[/green]" if ok else "[red]not met[/red]"
 
 
-def _goal_lines(goals: dict[str, Any]) -> list[str]:
+def goal_lines(goals: dict[str, Any]) -> list[str]:
     """The goals block: each goal's measured ratio beside its target (see cpdpkit.bench.sharding._goals)."""
     if not goals:
         return ["goals: none to judge (two-stage, partial or hsdp did not run)"]
@@ -121,6 +123,9 @@ def _goal_lines(goals: dict[str, Any]) -> list[str]:
             f"{_mark(goals['step_time_met'])}",
             f"two-stage vs hsdp: exposed comm x{goals['exposed_comm_ratio']:.3f} (target <= 0.5) "
             f"{_mark(goals['exposed_comm_met'])}",
+            *(["  of which by tier (evidence): " + ", ".join(
+                f"{tier} x{ratio:.3f}" for tier, ratio in goals["exposed_comm_ratio_by_tier"].items())]
+              if goals.get("exposed_comm_ratio_by_tier") else []),
             f"two-stage optimizer state {goals['optimizer_state_bytes']} B/rank (target hsdp / replicas = "
             f"{goals['optimizer_state_target']:.0f}) {_mark(goals['optimizer_state_met'])}",
             f"two-stage final loss |diff| {goals['final_loss_abs_diff']:.2e} vs hsdp (target <= 1e-4) "

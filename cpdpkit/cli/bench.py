@@ -203,9 +203,10 @@ def sharding(
     optimizer: str | None = typer.Option(None, help="adamw | adam | sgd.", show_default="adamw"),
     memory_budget: str | None = typer.Option(None, help="Planner memory budget per rank, e.g. 64MiB.",
                                                 show_default="no limit"),
-    min_unit_bytes: int | None = typer.Option(None, help="The planner's smallest unit; 1 keeps every block its own "
-                                                 "unit (finer units let more exchanges overlap backward).",
-                                                 show_default="1"),
+    min_unit_bytes: int | None = typer.Option(None, help="The planner's smallest unit in bytes; 1 keeps every block "
+                                                 "its own unit (finer units let more exchanges overlap backward), "
+                                                 "0 leaves it to the planner.",
+                                                 show_default="0"),
     max_grad_norm: float | None = typer.Option(None, help="Clip gradients to this global norm (zero1-overlap "
                                                   "cannot clip: it is then reported unsupported).",
                                                   show_default="no clipping"),

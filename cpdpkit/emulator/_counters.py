@@ -55,7 +55,8 @@ class GroupCounters:
     """The thread-safe counters of one emulated group (the issuing threads, the link's helper
     thread and any thread that waits on one of its Works update them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tier: str = "LOCAL") -> None:
+        self.tier = tier  # the group's slowest tier (LOCAL for one rank), for per-tier readings
         self._lock = threading.Lock()
         self._ops: Counter[str] = Counter()
         self._wire_bytes: Counter[str] = Counter()

@@ -173,7 +173,7 @@ class EmulatedProcessGroup(ProcessGroup):
         self._network = session.config.topology.group(self._global_ranks)
         self.tier_name = self._network.tier_name
         self._ranks_label = format_ranks(self._global_ranks)
-        self._counters = GroupCounters()
+        self._counters = GroupCounters(self.tier_name or "LOCAL")
         self._link = Link(group_id, self._counters)
         self._p2p_links: dict[int, tuple[Link, NetworkGroup]] = {}  # peer (group rank) -> (link, pair's group)
         self._p2p_seq: dict[tuple[int, int], int] = {}  # (src, dst) global ranks -> messages so far

@@ -36,6 +36,7 @@ class Meter:
         self._thread_ident: int | None = None
         self._before: dict[int, tuple[GroupCounters, Counts]] | None = None
         self._result: Counts | None = None
+        self._groups_result: list[tuple[str, Counts]] = []
 
     def __enter__(self) -> Meter:
         if self._before is not None or self._result is not None:
@@ -47,21 +48,32 @@ class Meter:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
+        groups = self._by_group()
         self._result = self._difference()
+        self._groups_result = groups
         self._before = None
 
     def _difference(self) -> Counts:
+        if self._result is None:
+            total = Counts()
+            for _, counts in self._by_group():
+                total = total + counts
+            return total
+        return self._result
+
+    def _by_group(self) -> list[tuple[str, Counts]]:
+        """(tier, counts during the block) per group; after the block, as it ended."""
         if self._result is not None:
-            return self._result
+            return self._groups_result
         if self._before is None:
             raise RuntimeError("read a Meter inside or after its with-block (with meter() as m: ...)")
         groups = {id(c): c for c in self._session.counters()}
         groups.update({key: c for key, (c, _) in self._before.items()})
-        total = Counts()
+        out = []
         for key, counters in groups.items():
             before = self._before.get(key)
-            total = total + (counters.read() - before[1] if before is not None else counters.read())
-        return total
+            out.append((counters.tier, counters.read() - before[1] if before is not None else counters.read()))
+        return out
 
     @property
     def op_counts(self) -> dict[str, int]:
@@ -86,6 +98,16 @@ class Meter:
     def blocked_s(self) -> float:
         """Seconds the thread that entered the block spent blocked in ``EmulatedWork.wait``."""
         return self._difference().blocked_s.get(self._thread_ident, 0.0)  # type: ignore[arg-type]
+
+    @property
+    def blocked_s_by_tier(self) -> dict[str, float]:
+        """:attr:`blocked_s`, split by the tier of the group whose Work was waited on."""
+        out: dict[str, float] = {}
+        for tier, counts in self._by_group():
+            seconds = counts.blocked_s.get(self._thread_ident, 0.0)  # type: ignore[arg-type]
+            if seconds:
+                out[tier] = out.get(tier, 0.0) + seconds
+        return out
 
     def __repr__(self) -> str:
         if self._before is None and self._result is None:
