@@ -222,8 +222,10 @@ def sharding_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
 
 
 def sharding_goals(goals: dict[str, Any]) -> list[str]:
-    """The goals block exactly as ``cpdpkit bench sharding`` prints it (one line per goal)."""
-    return goal_lines(goals) if goals else []
+    """The goals block exactly as ``cpdpkit bench sharding`` prints it (one line per goal, no colour)."""
+    from rich.text import Text
+
+    return [Text.from_markup(line).plain for line in goal_lines(goals)] if goals else []
 
 
 def render_sharding(report: dict[str, Any], path: Path) -> str:
