@@ -116,6 +116,23 @@ def test_bad_sharding_configuration_is_one_line_exit_2(args, expect, tmp_path):
     assert not (tmp_path / "w").exists()  # nothing launched
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("command", [["bench", "sharding"], ["bench", "--quick"]])
+def test_an_unwritable_json_path_is_refused_before_any_run(command, tmp_path):
+    (tmp_path / "file").write_text("")
+    bad = tmp_path / "file" / "out.json"  # its folder would have to be a file
+    result = CliRunner().invoke(app, [*command, "--work-dir", str(tmp_path / "w"), "--json", str(bad)])
+    text = result.output.strip()
+    assert result.exit_code == 2, text
+    assert text.startswith(f"error: --json {bad}: cannot create its folder") and len(text.splitlines()) == 1, text
+    assert not (tmp_path / "w").exists()  # nothing launched
+    made = tmp_path / "new" / "dir" / "out.json"
+    from cpdpkit.cli.app import prepare_output
+
+    prepare_output(str(made), "--json")  # a folder that does not exist yet is made
+    assert made.parent.is_dir()
+
+
 def test_main_job_options_before_the_suite_name_are_refused(tmp_path):
     result = CliRunner().invoke(app, ["bench", "--quick", "--world-size", "4", "sharding", "--work-dir", str(tmp_path)])
     assert result.exit_code == 2, result.output

@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cpdpkit.cli.app import out_console
+from cpdpkit.cli.app import out_console, prepare_output
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -44,6 +44,8 @@ def sharding_config(*, strategies: str | None, quick: bool, profile: str | None,
 def run_sharding_suite(config: ShardingBenchConfig, *, json_out: str | None, work_dir: str | None) -> None:
     """Run the suite (validating and planning first: a bad config raises before any launch); print and write."""
     from cpdpkit.bench.sharding import run_sharding_bench
+
+    prepare_output(json_out, "--json")  # a bad path fails now, not after every run
 
     def emit(event: tuple[Any, ...]) -> None:
         if event[0] == "done":

@@ -21,6 +21,24 @@ __all__ = ["app", "err_console", "out_console", "EXIT_USER_ERROR"]
 EXIT_USER_ERROR = 2
 
 
+def prepare_output(path: str | None, option: str) -> None:
+    """Before any work: make the parent folder of an output file (``--json``, ``--plot``) or fail in one line."""
+    if path is None:
+        return
+    from pathlib import Path
+
+    from cpdpkit.errors import ConfigError
+
+    parent = Path(path).parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{option} {path}: cannot create its folder {parent} ({exc.strerror}); "
+                          "pass a path in a writable folder") from None
+    if Path(path).is_dir():
+        raise ConfigError(f"{option} {path} is a folder; pass a file name such as {Path(path) / 'out.json'}")
+
+
 def _console(stderr: bool = False) -> Console:
     # Piped output (CI logs, `make run | tee`) gets a wide table instead of rich's 80 columns.
     console = Console(stderr=stderr)

@@ -23,7 +23,7 @@ from typer.core import TyperGroup
 
 from cpdpkit.cli._bench_plot import plot_accuracy_vs_wall
 from cpdpkit.cli._bench_sharding import run_sharding_suite, sharding_config
-from cpdpkit.cli.app import app, err_console, out_console
+from cpdpkit.cli.app import app, err_console, out_console, prepare_output
 from cpdpkit.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -230,6 +230,8 @@ def _run_main(config: BenchConfig, *, json_out: str | None, plot: str | None, wo
     from cpdpkit.topology import resolve_topology
 
     resolve_topology(config.topology, world_size=config.world_size)  # a bad topology fails before any launch
+    prepare_output(json_out, "--json")  # so does an output path that cannot be written
+    prepare_output(plot, "--plot")
     with tempfile.TemporaryDirectory(prefix="cpdpkit-bench-") as tmp:
         report = _run_with_progress(config, Path(work_dir or tmp))
     out_console.print(_table(report))
