@@ -176,6 +176,13 @@ def test_docs_tables_defaults_are_bench_configs():
     assert {k: config[k] for k in docs_tables.MAIN_DEFAULTS} == docs_tables.MAIN_DEFAULTS
     cmd = docs_tables.main_command({**config, "lr_schedule": "cosine", "momentum": 0.0}, Path("b.json"))
     assert cmd == "cpdpkit bench --momentum 0.0 --lr-schedule cosine --json b.json"
+    from cpdpkit.bench.sharding import ShardingBenchConfig
+
+    sharding = ShardingBenchConfig().to_dict()
+    assert set(sharding) - set(docs_tables.SHARDING_DEFAULTS) == {"seed", "warmup_steps"}  # not CLI options
+    assert {k: sharding[k] for k in docs_tables.SHARDING_DEFAULTS} == docs_tables.SHARDING_DEFAULTS
+    cmd = docs_tables.sharding_command({**sharding, "min_unit_bytes": 1}, Path("s.json"))
+    assert cmd == "cpdpkit bench sharding --min-unit-bytes 1 --json s.json"
 
 
 # ---- BenchConfig: the optimizer options ----------------------------------------------------------

@@ -43,9 +43,10 @@ MAIN_DEFAULTS = {"strategies": ["ddp", "localsgd-torch", "localsgd", "slowmo", "
                  "optimizer_state": "keep", "lr_schedule": "constant", "world_size": 2, "topology": "wan", "seeds": 1,
                  "profile_dir": None, "augment": False, "max_images": None}
 MAIN_QUICK = {"strategies": ["ddp", "localsgd-torch", "cpdp"], "periods": [4], "epochs": 3}
-SHARDING_DEFAULTS = {"strategies": ["fsdp2", "hsdp", "planned", "two-stage"], "model": "gpt-tiny", "world_size": 4,
-                     "topology": "cluster-slow-ib", "batch_size": 4, "lr": 0.003, "steps": 10, "optimizer": "adamw",
-                     "memory_budget": None, "max_grad_norm": None, "profile_dir": None}
+SHARDING_DEFAULTS = {"strategies": ["fsdp2", "hsdp", "zero1", "zero1-overlap", "planned", "two-stage", "partial"],
+                     "model": "gpt-tiny", "world_size": 4, "topology": "cluster-slow-ib", "batch_size": 4, "lr": 0.003,
+                     "steps": 10, "optimizer": "adamw", "memory_budget": None, "min_unit_bytes": None,
+                     "max_grad_norm": None, "profile_dir": None}
 SHARDING_QUICK = {"model": "gpt-micro", "steps": 4}
 SHARDING_QUICK_WARMUP = 1
 
