@@ -20,7 +20,7 @@ from cpdpkit import labels
 from cpdpkit.planner import PlannerConfig, PlannerError, plan_sharding
 from cpdpkit.planner.partial import PartialShardExecutor
 from test_labels import _check_collectives_labelled
-from test_planner_executor import ALTERNATE, _expected_clip_stats, check_resumed
+from test_planner_executor import ALTERNATE, check_resumed, check_stats_and_clipping
 
 CONFIG = PlannerConfig(param_dtype="float32", grad_dtype="float32", optim_state_bytes_per_param=8,
                        min_unit_bytes=1000, param_sharding="replicated")
@@ -63,16 +63,7 @@ def _check_case(rank, case, res):
         assert torch.equal(ex["params"][fqn], expect), (name, fqn, rank)
     # a quarter of the whole model's optimizer state (within one element per unit and state tensor)
     assert abs(4 * ex["state_bytes"] - ref["state_bytes"]) <= 4 * 3 * 2 * 4, (name, rank)
-    stats = ex["stats"]
-    assert stats["steps"] == ej.NUM_STEPS and stats["stage1_scheduled"] == 2, name
-    clip = res["max_grad_norm"]
-    if clip is None:
-        assert stats["stage1_launched"] == 2 and stats["clip_speculated"] == 0, name
-        return None
-    assert ex["norms"] == pytest.approx(ref["norms"], rel=1e-5), name
-    clipped = [n > clip for n in ref["norms"]]
-    assert (stats["clip_speculated"], stats["clip_mispredicted"]) == _expected_clip_stats(clipped), name
-    return clipped
+    return check_stats_and_clipping(name, ex, ref["norms"], res["max_grad_norm"])
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ line on stderr and exit code 2; ``cpdpkit --debug COMMAND`` shows the traceback 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -14,9 +15,9 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
 
-from cpdpkit.errors import CpdpkitError
+from cpdpkit.errors import ConfigError, CpdpkitError
 
-__all__ = ["app", "err_console", "out_console", "EXIT_USER_ERROR"]
+__all__ = ["app", "err_console", "out_console", "EXIT_USER_ERROR", "prepare_output"]
 
 EXIT_USER_ERROR = 2
 
@@ -25,10 +26,6 @@ def prepare_output(path: str | None, option: str) -> None:
     """Before any work: make the parent folder of an output file (``--json``, ``--plot``) or fail in one line."""
     if path is None:
         return
-    from pathlib import Path
-
-    from cpdpkit.errors import ConfigError
-
     parent = Path(path).parent
     try:
         parent.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,7 @@ from zero, and :attr:`Meter.blocked_s` is the blocked time of the thread that en
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from types import TracebackType
 from typing import Any
 
@@ -48,18 +49,12 @@ class Meter:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        groups = self._by_group()
-        self._result = self._difference()
-        self._groups_result = groups
+        self._groups_result = self._by_group()
+        self._result = _sum(counts for _, counts in self._groups_result)
         self._before = None
 
     def _difference(self) -> Counts:
-        if self._result is None:
-            total = Counts()
-            for _, counts in self._by_group():
-                total = total + counts
-            return total
-        return self._result
+        return self._result if self._result is not None else _sum(counts for _, counts in self._by_group())
 
     def _by_group(self) -> list[tuple[str, Counts]]:
         """(tier, counts during the block) per group; after the block, as it ended."""
@@ -113,6 +108,13 @@ class Meter:
         if self._before is None and self._result is None:
             return "Meter(not entered)"
         return f"Meter(op_counts={self.op_counts}, bytes_by_tier={self.bytes_by_tier}, blocked_s={self.blocked_s:.6f})"
+
+
+def _sum(counts: Iterable[Counts]) -> Counts:
+    total = Counts()
+    for c in counts:
+        total = total + c
+    return total
 
 
 def meter(group: Any = None) -> Meter:
