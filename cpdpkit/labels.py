@@ -80,9 +80,12 @@ class _SyncPhases:
     GRAD_ALLREDUCE = Phase("sync", "grad_allreduce", "all_reduce")  # a bucket launched from backward
     GRAD_WAIT = Phase("sync", "grad_wait", "all_reduce")  # step() waiting for the buckets
     PARAM_AVERAGE = Phase("sync", "param_average", "all_reduce")  # reconciliation's averaging
+    PARAM_AVERAGE_LAUNCH = Phase("sync", "param_average_launch", "all_reduce")  # overlap_steps >= 1: launch only
+    PARAM_AVERAGE_WAIT = Phase("sync", "param_average_wait", "all_reduce")  # overlap_steps >= 1: waiting to apply it
     BUFFER_SYNC = Phase("sync", "buffer_sync", "broadcast")
     STATE_SYNC = Phase("sync", "state_sync", "all_reduce")  # optimizer_state="average"
     SLOWMO_UPDATE = Phase("sync", "slowmo_update", None)  # local arithmetic after the average
+    PERIOD_DECISION = Phase("sync", "period_decision", None)  # period="auto": the next K, details in [...]
 
 
 class _ShardPhases:

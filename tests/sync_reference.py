@@ -55,6 +55,7 @@ class Workload:
     batchnorm: bool = False
     buffers: str = "average"
     optimizer_state: str = "keep"
+    overlap_steps: int = 0  # τ: the average of step n applied at min(n + τ, next reconciliation)
 
 
 def _reconciles(w: Workload, n: int) -> bool:
@@ -74,6 +75,7 @@ def simulate(w: Workload, world: int, schedulers: Callable | None = None) -> lis
     anchor = [p.detach().clone() for p in params[0]]
     momentum = [torch.zeros_like(p) for p in anchor]
     lr_of = [gi for gi, g in enumerate(opts[0].param_groups) for _ in g["params"]]
+    pending: dict | None = None  # an overlapped reconciliation: its means and what each rank had
     for n in range(1, w.steps + 1):
         for r in range(world):
             models[r].train()
@@ -91,7 +93,14 @@ def simulate(w: Workload, world: int, schedulers: Callable | None = None) -> lis
         for r in range(world):
             opts[r].step()
         with torch.no_grad():
-            if _reconciles(w, n):
+            if _reconciles(w, n) and w.overlap_steps:
+                if pending is not None:
+                    _apply_late(w, world, models, opts, params, anchor, momentum, lr_of, pending)
+                pending = _launch(w, world, models, params, n)
+            elif pending is not None and n >= pending["due"]:
+                _apply_late(w, world, models, opts, params, anchor, momentum, lr_of, pending)
+                pending = None
+            elif _reconciles(w, n):
                 _reference_reconcile(w, world, models, opts, params, anchor, momentum, lr_of)
             elif sync_grads and w.batchnorm:
                 _sync_buffers(w, world, models)
@@ -102,16 +111,52 @@ def simulate(w: Workload, world: int, schedulers: Callable | None = None) -> lis
     return [[p.detach().clone() for p in ps] for ps in params]
 
 
+def _outer(w, opts, anchor, momentum, lr_of, i, xbar):
+    if w.strategy in ("slowmo", "cpdp"):
+        lr = opts[0].param_groups[lr_of[i]]["lr"]
+        momentum[i] = w.beta * momentum[i] + (anchor[i] - xbar) / lr
+        anchor[i] = anchor[i] - w.alpha * lr * momentum[i]
+        return anchor[i]
+    return xbar
+
+
+def _launch(w, world, models, params, n) -> dict:
+    """What an overlapped reconciliation sends at step n: the means, and each rank's values."""
+    bufs = [list(m.buffers()) for m in models]
+    buffer_means = []
+    for i in range(len(bufs[0])):
+        if w.buffers == "average" and bufs[0][i].is_floating_point():
+            buffer_means.append(_mean([bufs[r][i] for r in range(world)]))
+        else:
+            buffer_means.append(bufs[0][i].clone())
+    return {
+        "due": n + w.overlap_steps,
+        "means": [_mean([params[r][i] for r in range(world)]) for i in range(len(params[0]))],
+        "had": [[p.detach().clone() for p in params[r]] for r in range(world)],
+        "buffer_means": buffer_means,
+        "buffers_had": [[b.clone() for b in bufs[r]] for r in range(world)],
+    }
+
+
+def _apply_late(w, world, models, opts, params, anchor, momentum, lr_of, pending) -> None:
+    """x <- x~ + (x - x at launch), x~ the outer update of the launch's means (the issue's formula)."""
+    for i in range(len(params[0])):
+        new = _outer(w, opts, anchor, momentum, lr_of, i, pending["means"][i])
+        for r in range(world):
+            params[r][i].copy_(new + (params[r][i] - pending["had"][r][i]))
+    if w.buffers != "local":
+        for r in range(world):
+            for i, b in enumerate(models[r].buffers()):
+                b.copy_(pending["buffer_means"][i] + (b - pending["buffers_had"][r][i]))
+    if w.optimizer_state == "reset":
+        for o in opts:
+            o.state.clear()
+
+
 def _reference_reconcile(w, world, models, opts, params, anchor, momentum, lr_of) -> None:
     for i in range(len(params[0])):
         xbar = _mean([params[r][i] for r in range(world)])
-        if w.strategy in ("slowmo", "cpdp"):
-            lr = opts[0].param_groups[lr_of[i]]["lr"]
-            momentum[i] = w.beta * momentum[i] + (anchor[i] - xbar) / lr
-            anchor[i] = anchor[i] - w.alpha * lr * momentum[i]
-            new = anchor[i]
-        else:
-            new = xbar
+        new = _outer(w, opts, anchor, momentum, lr_of, i, xbar)
         for r in range(world):
             params[r][i].copy_(new)
     _sync_buffers(w, world, models)

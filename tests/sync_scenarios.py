@@ -51,7 +51,7 @@ def run_workloads(rank: int, world: int, workloads: list[dict], hierarchical: bo
             make_optimizer(w.optimizer, model), model=model, strategy=w.strategy,
             period=w.period, warmup_steps=w.warmup_steps, slowmo_momentum=w.beta,
             slowmo_lr=w.alpha, buffers=w.buffers, optimizer_state=w.optimizer_state,
-            fast_group=groups[0], slow_group=groups[1], timeout_s=60,
+            overlap_steps=w.overlap_steps, fast_group=groups[0], slow_group=groups[1], timeout_s=60,
         )
         snaps: list = []
         _train(opt, model, rank, range(1, w.steps + 1), snaps)
@@ -116,14 +116,15 @@ def ddp_wrapped_vs_plain(rank: int, world: int, strategy: str, period: int) -> d
             "stats_plain": opt.stats.to_dict(), "stats_ddp": opt2.stats.to_dict()}
 
 
-def checkpoint_resume(rank: int, world: int, strategy: str, stop_at: int, total: int) -> dict:
+def checkpoint_resume(rank: int, world: int, strategy: str, stop_at: int, total: int,
+                      overlap_steps: int = 0, batchnorm: bool = False) -> dict:
     """An uninterrupted run vs one saved at ``stop_at`` and resumed in fresh objects (the
     config= form, and the LR scheduler attached to the wrapper)."""
     def build():
-        model = make_model(0)
+        model = make_model(0, batchnorm)
         opt = PeriodicSyncOptimizer(make_optimizer("adamw", model), model=model,
                                     config=SyncConfig(strategy=strategy, period=3,
-                                                      warmup_steps=1))
+                                                      warmup_steps=1, overlap_steps=overlap_steps))
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
         return model, opt, sched
 
@@ -148,7 +149,34 @@ def checkpoint_resume(rank: int, world: int, strategy: str, stop_at: int, total:
     _train(opt, model, rank, range(stop_at + 1, total + 1), sched=sched)
     return {"straight": straight, "resumed": _params(model), "step": opt.step_count,
             "saved_keys": sorted(ckpt["opt"]), "saved_step": ckpt["opt"]["cpdpkit"]["step"],
-            "lr": opt.optim.param_groups[0]["lr"]}
+            "lr": opt.optim.param_groups[0]["lr"],
+            "saved_in_flight": ckpt["opt"]["cpdpkit"]["in_flight"] is not None}
+
+
+def auto_period(rank: int, world: int, runs: list[dict]) -> list[dict]:
+    """``period="auto"`` runs: per step the kind and (after the inner step, before any
+    averaging) this rank's parameters; the decisions; the labelled spans of the run."""
+    out = []
+    for options in runs:
+        model = make_model(0)
+        inner = make_optimizer("sgd", model)
+        snapshots: dict[int, list[torch.Tensor]] = {}
+        options = {"strategy": "cpdp", **options}
+        opt = PeriodicSyncOptimizer(inner, model=model, period="auto", timeout_s=60, **options)
+        def snapshot(*_: Any, opt=opt, model=model, snapshots=snapshots) -> None:
+            snapshots[opt.step_count + 1] = _params(model)
+
+        inner.register_step_post_hook(snapshot)
+        kinds = []
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for n in range(1, 25):
+                kinds.append(opt.next_step_kind().value)
+                _train(opt, model, rank, range(n, n + 1))
+        names = sorted({e.name for e in prof.events() if e.name.startswith("cpdpkit::sync::")})
+        stats = opt.stats.to_dict()
+        out.append({"kinds": kinds, "snapshots": snapshots, "stats": stats, "names": names,
+                    "params": _params(model)})
+    return out
 
 
 def with_scheduler(rank: int, world: int, strategy: str) -> dict[str, list[torch.Tensor]]:
@@ -252,3 +280,15 @@ def emulated_vs_plain(rank: int, world: int) -> dict:
             out[label] = (_params(model), [b.clone() for b in model.buffers()], _params(wrapped.module))
     out["emulated_ops"] = m.op_counts
     return out
+
+
+def overlap_and_auto(rank: int, world: int, overlap: list[dict], auto_runs: list[dict]) -> dict:
+    """tests/test_sync_overlap_auto.py's whole job: overlap workloads, checkpoints with a
+    reconciliation in flight, and period="auto" runs."""
+    return {
+        "overlap": run_workloads(rank, world, overlap),
+        "checkpoint": [checkpoint_resume(rank, world, strategy=s, stop_at=5, total=12,
+                                         overlap_steps=2, batchnorm=bn)
+                       for s, bn in (("cpdp", False), ("slowmo", True))],
+        "auto": auto_period(rank, world, auto_runs),
+    }

@@ -17,8 +17,26 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"period": 0}, "period must be an integer >= 1, got 0: pass period=1 to reconcile "
-                        "every step, or a larger K"),
+        ({"period": 0}, "period must be an integer >= 1 or 'auto', got 0: pass period=1 to "
+                        "reconcile every step, a larger K, or 'auto'"),
+        ({"period": "fast"}, "period must be an integer >= 1 or 'auto', got 'fast': pass period=1 "
+                             "to reconcile every step, a larger K, or 'auto'"),
+        ({"overlap_steps": -1}, "overlap_steps must be an integer >= 0, got -1: pass 0 to reconcile "
+                                "blocking, or e.g. 2 to apply each average two steps after its launch"),
+        ({"overlap_steps": 2, "optimizer_state": "average"},
+         "overlap_steps=2 with optimizer_state='average': an averaged optimizer state cannot be "
+         "applied late (it would erase the local steps' state, and Adam's second moments have no "
+         "additive correction); use optimizer_state='keep' or overlap_steps=0"),
+        ({"overlap_steps": 1, "strategy": "ddp"}, "overlap_steps=1 with strategy 'ddp': ddp never "
+                                                  "reconciles; use strategy 'localsgd', 'slowmo' or "
+                                                  "'cpdp', or overlap_steps=0"),
+        ({"period": "auto", "k_min": 8, "k_max": 2}, "k_min=8 is above k_max=2: pass k_min <= k_max, "
+                                                     "e.g. k_min=1, k_max=8"),
+        ({"k_min": 0}, "k_min must be an integer >= 1, got 0: e.g. k_min=1"),
+        ({"target_exposed_frac": 1.5}, "target_exposed_frac must be in (0, 1), got 1.5: e.g. 0.1 "
+                                       "for at most 10 % of the step time exposed"),
+        ({"max_divergence": 0}, "max_divergence must be > 0 or None, got 0: e.g. 0.01, or None to "
+                                "let only the exposed-time target choose K"),
         ({"strategy": "fedavg"}, "unknown strategy 'fedavg': choose one of ddp, localsgd, "
                                  "slowmo, cpdp"),
         ({"warmup_steps": -1}, "warmup_steps must be an integer >= 0, got -1: pass 0 for no "

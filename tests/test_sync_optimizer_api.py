@@ -64,7 +64,8 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, sched=Non
 
 # -- construction: one source of defaults (no process group needed: refused before any) ----
 KNOWN = ("strategy, period, warmup_steps, slowmo_momentum, slowmo_lr, buffers, "
-         "optimizer_state, bucket_cap_mb, timeout_s")
+         "optimizer_state, bucket_cap_mb, timeout_s, overlap_steps, target_exposed_frac, k_min, "
+         "k_max, max_divergence")
 
 
 def test_unknown_keyword_is_one_line_naming_it_and_the_fields():
@@ -89,7 +90,7 @@ def test_config_and_keywords_together_are_refused():
                               config={"period": 4})  # type: ignore[arg-type]
     assert str(info.value) == ("config must be a SyncConfig, got dict: "
                                "pass config=cpdpkit.sync.SyncConfig(...)")
-    with pytest.raises(ConfigError, match=r"^period must be an integer >= 1, got 0"):
+    with pytest.raises(ConfigError, match=r"^period must be an integer >= 1 or 'auto', got 0"):
         PeriodicSyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
                               period=0)
 
@@ -105,7 +106,8 @@ def test_config_and_keyword_forms_give_equal_config(world1):
     assert by_kw.config.to_dict() == {
         "strategy": "slowmo", "period": 3, "warmup_steps": 2, "slowmo_momentum": 0.5,
         "slowmo_lr": 1.0, "buffers": "average", "optimizer_state": "keep",
-        "bucket_cap_mb": 25.0, "timeout_s": 30}
+        "bucket_cap_mb": 25.0, "timeout_s": 30, "overlap_steps": 0, "target_exposed_frac": 0.1,
+        "k_min": 1, "k_max": 8, "max_divergence": None}
     plain = PeriodicSyncOptimizer(torch.optim.SGD(m3.parameters(), lr=0.1), model=m3)
     assert plain.config == SyncConfig()  # the defaults are SyncConfig's
 
@@ -240,9 +242,11 @@ def test_state_dict_is_torch_standard_plus_cpdpkit(world1):
     sd = opt.state_dict()
     assert sorted(sd) == ["cpdpkit", "param_groups", "state"]
     own = sd["cpdpkit"]
-    assert sorted(own) == ["anchor", "config", "counts", "layout", "slow_momentum", "step",
-                           "version"]
-    assert own["version"] == 2 and own["step"] == 4
+    assert sorted(own) == ["anchor", "config", "counts", "decisions", "in_flight", "layout",
+                           "schedule", "slow_momentum", "step", "version"]
+    assert own["in_flight"] is None and own["decisions"] == []
+    assert own["schedule"] == {"period": 3, "last_reconcile": 3, "gap": 3}
+    assert own["version"] == 3 and own["step"] == 4
     assert own["counts"] == {"local_steps": 3, "reconciliations": 1, "gradient_syncs": 1}
     assert own["layout"] == [[32, 8, 16, 2]] and own["config"] == opt.config.to_dict()
     plain = inner.state_dict()
@@ -326,7 +330,7 @@ def test_load_state_dict_refusals(world1):
     with pytest.raises(ConfigError) as info:
         opt.load_state_dict({**sd, "cpdpkit": {**sd["cpdpkit"], "version": 9}})
     assert str(info.value) == (
-        "checkpoint has cpdpkit state version 9, this cpdpkit reads 1 and 2: load it with the "
+        "checkpoint has cpdpkit state version 9, this cpdpkit reads 1 to 3: load it with the "
         "cpdpkit version that saved it")
     assert opt.step_count == 2  # nothing was loaded by a refused call
 

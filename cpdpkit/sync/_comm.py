@@ -11,7 +11,7 @@ Every collective the optimizer issues goes through :class:`Communicator`, which
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -34,6 +34,14 @@ def chunks(flat: torch.Tensor, cap_bytes: int) -> list[torch.Tensor]:
     """Contiguous views of ``flat`` holding at most ``cap_bytes`` each."""
     per = max(1, cap_bytes // flat.element_size())
     return [flat[i : i + per] for i in range(0, flat.numel(), per)]
+
+
+def _shown(labels: Sequence[str] | Mapping[int, str] | None, value: int) -> object:
+    if labels is None:
+        return value
+    if isinstance(labels, Mapping):
+        return labels.get(value, value)
+    return labels[value]
 
 
 class Communicator:
@@ -88,28 +96,39 @@ class Communicator:
         Divides before summing, as torch's DDP and ``PeriodicModelAverager`` do, so results
         match them bit for bit where the reduction order agrees.
         """
+        for work in self.average_async(flats, cap_bytes):
+            self.wait(work)
+
+    def average_async(self, flats: Sequence[torch.Tensor], cap_bytes: int) -> list[dist.Work]:
+        """Launch :meth:`average_`'s collectives; the flats hold the means once all are waited."""
         works = []
         for flat in flats:
             flat.div_(self.size)
             for piece in chunks(flat, cap_bytes):
                 works.append(self.all_reduce_sum_async(piece))
-        for work in works:
-            self.wait(work)
+        return works
 
     def broadcast_(self, flats: Sequence[torch.Tensor], cap_bytes: int) -> None:
         """Broadcast flat tensors in place from the group's first rank."""
+        for work in self.broadcast_async(flats, cap_bytes):
+            self.wait(work)
+
+    def broadcast_async(self, flats: Sequence[torch.Tensor], cap_bytes: int) -> list[dist.Work]:
+        """Launch :meth:`broadcast_`'s collectives."""
         works = []
         for flat in flats:
             for piece in chunks(flat, cap_bytes):
                 self._count(piece)
                 works.append(dist.broadcast(piece, src=self.src, group=self.group, async_op=True))
-        for work in works:
-            self.wait(work)
+        return works
 
-    def check_agreement(self, fields: Sequence[tuple[str, int, Sequence[str] | None]]) -> None:
+    def check_agreement(
+        self, fields: Sequence[tuple[str, int, Sequence[str] | Mapping[int, str] | None]]
+    ) -> None:
         """Raise if ranks disagree on any ``(name, value, labels)`` (one small all-gather).
 
-        ``labels`` turns an index back into its name for the message (e.g. strategies).
+        ``labels`` turns an index back into its name for the message (e.g. strategies); a
+        mapping names only some values (e.g. ``{0: "auto"}``).
         """
         mine = torch.tensor([value for _, value, _ in fields], dtype=torch.int64)
         gathered = torch.empty(self.size * mine.numel(), dtype=torch.int64)
@@ -122,7 +141,7 @@ class Communicator:
         for col, (name, _, labels) in enumerate(fields):
             column = table[:, col].tolist()
             if len(set(column)) > 1:
-                shown = [labels[v] if labels else v for v in column]
+                shown = [_shown(labels, v) for v in column]
                 per_rank = ", ".join(f"rank {r}: {v}" for r, v in zip(ranks, shown))
                 raise DistributedSetupError(
                     f"ranks disagree on {name} ({per_rank}): construct "

@@ -26,8 +26,11 @@ class FlatSegment:
 
     ``group_slices`` holds ``(param_group_index, start, stop)``: each param group's
     parameters of this dtype form one contiguous range (layout follows param-group order).
+    ``storage`` is ``flat`` plus, for the first segment only, the slots the period controller
+    reduces with the parameters (``flat`` is then a view of its front).
     """
 
+    storage: torch.Tensor
     flat: torch.Tensor
     params: list[torch.Tensor]
     offsets: list[int]
@@ -49,7 +52,8 @@ def _check_param(p: torch.Tensor, where: str) -> None:
 class FlatParameters:
     """Re-binds each parameter's ``.data`` to a slice of a flat buffer (see module docstring)."""
 
-    def __init__(self, param_groups: Sequence[dict], *, anchor_dtype: torch.dtype | None) -> None:
+    def __init__(self, param_groups: Sequence[dict], *, anchor_dtype: torch.dtype | None,
+                 stats_slots: int = 0) -> None:
         by_key: dict[tuple[torch.dtype, torch.device], list[tuple[int, torch.Tensor]]] = {}
         for gi, group in enumerate(param_groups):
             for pi, p in enumerate(group["params"]):
@@ -59,7 +63,9 @@ class FlatParameters:
         self.segments: list[FlatSegment] = []
         for (dtype, device), entries in by_key.items():
             numel = sum(p.numel() for _, p in entries)
-            seg = FlatSegment(torch.empty(numel, dtype=dtype, device=device), [], [])
+            extra = stats_slots if not self.segments else 0
+            storage = torch.empty(numel + extra, dtype=dtype, device=device)
+            seg = FlatSegment(storage, storage[:numel], [], [])
             offset = 0
             for gi, p in entries:
                 seg.params.append(p)
@@ -75,6 +81,16 @@ class FlatParameters:
     @property
     def flats(self) -> list[torch.Tensor]:
         return [seg.flat for seg in self.segments]
+
+    @property
+    def storages(self) -> list[torch.Tensor]:
+        """What a reconciliation reduces: the flats, the first with the controller's slots."""
+        return [seg.storage for seg in self.segments]
+
+    def stats_slots(self, storages: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        """The controller's slots at the end of the first storage (or of a copy of it)."""
+        first = (storages or self.storages)[0]
+        return first[self.segments[0].flat.numel():]
 
     @property
     def numel(self) -> int:
@@ -118,19 +134,23 @@ class FlatParameters:
                 seg.slow_momentum = torch.zeros_like(seg.anchor)
 
     @torch.no_grad()
-    def slowmo_update(self, param_groups: Sequence[dict], *, beta: float, alpha: float) -> None:
-        """SlowMo on averaged parameters x̄ (already in ``flat``), per param-group lr γ.
+    def slowmo_update(self, param_groups: Sequence[dict], *, beta: float, alpha: float,
+                      averages: Sequence[torch.Tensor] | None = None) -> None:
+        """SlowMo on averaged parameters x̄, per param-group lr γ.
 
-        u <- β·u + (x0 - x̄)/γ;  x0 <- x0 - α·γ·u;  parameters <- x0.
-        A group whose lr is 0 cannot scale by 1/γ: its anchor becomes x̄ and u is kept.
+        u <- β·u + (x0 - x̄)/γ;  x0 <- x0 - α·γ·u;  x̄ <- x0.
+        ``averages`` hold x̄ per segment (default: the flats themselves, i.e. the parameters);
+        they are overwritten with the new x0. A group whose lr is 0 cannot scale by 1/γ: its
+        anchor becomes x̄ and u is kept.
         """
-        for seg in self.segments:
+        targets = averages if averages is not None else self.flats
+        for seg, target in zip(self.segments, targets):
             assert seg.anchor is not None and seg.slow_momentum is not None
             for gi, start, stop in seg.group_slices:
                 gamma = float(param_groups[gi]["lr"])
                 x0 = seg.anchor[start:stop]
                 u = seg.slow_momentum[start:stop]
-                xbar = seg.flat[start:stop]
+                xbar = target[start:stop]
                 if gamma == 0.0:
                     x0.copy_(xbar)
                     continue
@@ -139,6 +159,26 @@ class FlatParameters:
                 u.mul_(beta).add_(delta)
                 x0.sub_(u, alpha=alpha * gamma)
                 xbar.copy_(x0)
+
+    @torch.no_grad()
+    def set_anchor(self, values: Sequence[torch.Tensor]) -> None:
+        """x0 <- ``values`` (per segment); for ``localsgd`` under ``period="auto"`` the anchor
+        is only the divergence's reference: the last reconciled parameters."""
+        for seg, v in zip(self.segments, values):
+            assert seg.anchor is not None
+            seg.anchor.copy_(v[: seg.flat.numel()])
+
+    @torch.no_grad()
+    def progress_sq(self, current: Sequence[torch.Tensor] | None = None) -> tuple[float, float]:
+        """``(‖x − x0‖², ‖x‖²)`` in float64, summed over segments (``current``: default the flats)."""
+        current = current if current is not None else self.flats
+        dist_sq, norm_sq = 0.0, 0.0
+        for seg, x in zip(self.segments, current):
+            assert seg.anchor is not None
+            x = x[: seg.flat.numel()].double()
+            dist_sq += float(torch.sub(x, seg.anchor.double()).square().sum())
+            norm_sq += float(x.square().sum())
+        return dist_sq, norm_sq
 
     def slowmo_state(self) -> dict[str, list[torch.Tensor] | None]:
         if self.segments and self.segments[0].anchor is None:

@@ -17,10 +17,10 @@ import torch
 from cpdpkit.labels import SYNC
 from cpdpkit.sync._comm import Communicator
 
-__all__ = ["sync_buffers", "sync_optimizer_state"]
+__all__ = ["flatten_by_dtype", "sync_buffers", "sync_optimizer_state", "write_back"]
 
 
-def _flatten_by_dtype(tensors: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+def flatten_by_dtype(tensors: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
     by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault((t.dtype, t.device), []).append(t)
@@ -28,7 +28,7 @@ def _flatten_by_dtype(tensors: Sequence[torch.Tensor]) -> list[tuple[torch.Tenso
 
 
 @torch.no_grad()
-def _write_back(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+def write_back(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
     offset = 0
     for t in tensors:
         t.copy_(flat[offset : offset + t.numel()].view_as(t))
@@ -39,14 +39,14 @@ def _write_back(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
 def _coalesced(comm: Communicator, tensors: Sequence[torch.Tensor], cap_bytes: int,
                op: str) -> None:
     """Average (``op="average"``) or broadcast tensors in a few flat per-dtype buffers."""
-    groups = _flatten_by_dtype(tensors)
+    groups = flatten_by_dtype(tensors)
     flats = [flat for flat, _ in groups]
     if op == "average":
         comm.average_(flats, cap_bytes)
     else:
         comm.broadcast_(flats, cap_bytes)
     for flat, ts in groups:
-        _write_back(flat, ts)
+        write_back(flat, ts)
 
 
 def sync_buffers(

@@ -6,12 +6,19 @@ The schedule is pure arithmetic on the step counter ``n`` (optimizer steps, coun
 * other strategies: steps ``n <= warmup_steps`` all-reduce gradients (warm-up, as DDP);
   afterwards step ``n`` is a *reconciliation* when ``(n - warmup_steps) % period == 0`` and a
   *local step* (no communication across the slow group) otherwise.
+* ``period="auto"``: the gaps between reconciliations are chosen at run time by the rule in
+  :mod:`cpdpkit.sync.period_control` (from ``k_min``, within ``[k_min, k_max]``); the schedule
+  then lives in the optimizer (``opt.next_step_kind()``), not here.
+
+``overlap_steps`` (τ) does not change which steps reconcile, only when a reconciliation's result
+is applied: τ steps after its launch, or at the next reconciliation if that comes first.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +66,14 @@ class SyncConfig:
     all-reduce's payload, as DDP's argument of the same name. ``timeout_s`` bounds every
     wait on a collective (``None``: the process group's own timeout).
 
+    ``overlap_steps`` is τ: 0 reconciles blocking (the parameters are averaged inside the
+    reconciliation's ``step()``); τ >= 1 launches the average asynchronously and applies it τ
+    steps later, keeping the local progress made meanwhile (:mod:`cpdpkit.sync.optimizer`).
+    ``period="auto"`` lets a controller choose K in ``[k_min, k_max]`` so that exposed sync
+    time stays near ``target_exposed_frac`` of the step time, and, when ``max_divergence`` is
+    set, the replicas' relative divergence ‖x_i − x̄‖/‖x̄‖ below it
+    (:mod:`cpdpkit.sync.period_control`).
+
     These declarations are the only defaults: ``PeriodicSyncOptimizer`` takes either
     ``config=SyncConfig(...)`` or these fields as keyword options, never both.
     """
@@ -72,16 +87,22 @@ class SyncConfig:
     optimizer_state: str = "keep"
     bucket_cap_mb: float = 25.0
     timeout_s: float | None = None
+    overlap_steps: int = 0
+    target_exposed_frac: float = 0.1
+    k_min: int = 1
+    k_max: int = 8
+    max_divergence: float | None = None
 
     def __post_init__(self) -> None:
         _choice("strategy", self.strategy, STRATEGIES)
         _choice("buffers", self.buffers, BUFFER_POLICIES)
         _choice("optimizer_state", self.optimizer_state, STATE_POLICIES)
-        if not _is_int(self.period) or self.period < 1:
+        if self.period != "auto" and (not _is_int(self.period) or self.period < 1):
             raise ConfigError(
-                f"period must be an integer >= 1, got {self.period!r}: "
-                "pass period=1 to reconcile every step, or a larger K"
+                f"period must be an integer >= 1 or 'auto', got {self.period!r}: "
+                "pass period=1 to reconcile every step, a larger K, or 'auto'"
             )
+        self._check_overlap_and_auto()
         if not _is_int(self.warmup_steps) or self.warmup_steps < 0:
             raise ConfigError(
                 f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}: "
@@ -106,21 +127,72 @@ class SyncConfig:
                 "pass None to use the process group's timeout"
             )
 
+    def _check_overlap_and_auto(self) -> None:
+        if not _is_int(self.overlap_steps) or self.overlap_steps < 0:
+            raise ConfigError(
+                f"overlap_steps must be an integer >= 0, got {self.overlap_steps!r}: pass 0 to "
+                "reconcile blocking, or e.g. 2 to apply each average two steps after its launch"
+            )
+        if self.overlap_steps and self.strategy == "ddp":
+            raise ConfigError(
+                f"overlap_steps={self.overlap_steps} with strategy 'ddp': ddp never reconciles; "
+                "use strategy 'localsgd', 'slowmo' or 'cpdp', or overlap_steps=0"
+            )
+        if self.overlap_steps and self.optimizer_state == "average":
+            raise ConfigError(
+                f"overlap_steps={self.overlap_steps} with optimizer_state='average': an averaged "
+                "optimizer state cannot be applied late (it would erase the local steps' state, "
+                "and Adam's second moments have no additive correction); use "
+                "optimizer_state='keep' or overlap_steps=0"
+            )
+        if not 0.0 < float(self.target_exposed_frac) < 1.0:
+            raise ConfigError(
+                f"target_exposed_frac must be in (0, 1), got {self.target_exposed_frac!r}: e.g. "
+                "0.1 for at most 10 % of the step time exposed"
+            )
+        for name in ("k_min", "k_max"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}: e.g. {name}=1")
+        if self.k_min > self.k_max:
+            raise ConfigError(
+                f"k_min={self.k_min} is above k_max={self.k_max}: pass k_min <= k_max, e.g. "
+                "k_min=1, k_max=8"
+            )
+        if self.max_divergence is not None and not float(self.max_divergence) > 0.0:
+            raise ConfigError(
+                f"max_divergence must be > 0 or None, got {self.max_divergence!r}: e.g. 0.01, or "
+                "None to let only the exposed-time target choose K"
+            )
+
     # -- schedule ---------------------------------------------------------------------
+    @property
+    def auto(self) -> bool:
+        """Whether K is chosen at run time (``period="auto"``)."""
+        return self.period == "auto"
+
     def step_kind(self, n: int) -> StepKind:
-        """The kind of step ``n`` (counted from 1)."""
+        """The kind of step ``n`` (counted from 1) with a fixed period."""
         assert n >= 1, n
         if self.strategy == "ddp":
             return StepKind.DDP
         if n <= self.warmup_steps:
             return StepKind.WARMUP
+        if self.auto:
+            raise ConfigError(
+                "period='auto' chooses its reconciliation steps at run time: ask the optimizer "
+                "(opt.next_step_kind()), not its config"
+            )
         if (n - self.warmup_steps) % self.period == 0:
             return StepKind.RECONCILE
         return StepKind.LOCAL
 
     def syncs_gradients(self, n: int) -> bool:
         """Whether step ``n`` all-reduces gradients across the whole group before its step."""
-        kind = self.step_kind(n)
+        return self.kind_syncs_gradients(self.step_kind(n))
+
+    def kind_syncs_gradients(self, kind: StepKind) -> bool:
+        """Whether a step of ``kind`` all-reduces gradients across the whole group."""
         if kind in (StepKind.DDP, StepKind.WARMUP):
             return True
         return kind is StepKind.RECONCILE and self.strategy == "cpdp"
@@ -151,11 +223,16 @@ class SyncConfig:
             )
         return cls(**data)
 
-    def fingerprint(self) -> list[tuple[str, int, tuple[str, ...] | None]]:
+    def fingerprint(self) -> list[tuple[str, int, Sequence[str] | Mapping[int, str] | None]]:
         """``(name, value, labels)`` that must agree on every rank, checked before training."""
         return [
             ("strategy", STRATEGIES.index(self.strategy), STRATEGIES),
-            ("period", self.period, None),
+            ("period", 0 if self.auto else self.period, {0: "auto"}),
+            ("overlap_steps", self.overlap_steps, None),
+            ("k_min", self.k_min, None),
+            ("k_max", self.k_max, None),
+            ("target_exposed_frac (x 1e6)", round(float(self.target_exposed_frac) * 1e6), None),
+            ("max_divergence (x 1e9, 0: off)", round(float(self.max_divergence or 0.0) * 1e9), None),
             ("warmup_steps", self.warmup_steps, None),
             ("buffers", BUFFER_POLICIES.index(self.buffers), BUFFER_POLICIES),
             ("optimizer_state", STATE_POLICIES.index(self.optimizer_state), STATE_POLICIES),

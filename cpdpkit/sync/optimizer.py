@@ -12,7 +12,11 @@ The schedule is in :mod:`cpdpkit.sync.config`. On a step that synchronises gradi
 plain module's gradients are all-reduced in buckets launched from backward hooks (overlapping
 backward, as DDP); a DDP-wrapped module's own reducer is switched on for exactly those steps.
 A reconciliation averages the parameters (in place, in flat buffers) and, for ``slowmo`` and
-``cpdp``, applies the SlowMo outer update.
+``cpdp``, applies the SlowMo outer update; with ``overlap_steps=τ`` the average is launched
+asynchronously and applied τ steps later, keeping the local progress made meanwhile:
+``x ← x̃ + (x − x_launch)`` with ``x̃`` the average after SlowMo's update against that
+reconciliation's anchor (:mod:`cpdpkit.sync._reconcile` has the whole formula). With
+``period="auto"`` a controller chooses K at run time (:mod:`cpdpkit.sync.period_control`).
 
 The wrapper is a complete ``torch.optim.Optimizer``: torch's ``__init__`` runs (step pre/post
 hooks, global step hooks, state-dict hooks, LR schedulers' step tracking), and
@@ -33,21 +37,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.profiler import record_function
 
 from cpdpkit.errors import ConfigError, DistributedSetupError
 from cpdpkit.labels import SYNC
 from cpdpkit.sync._comm import Communicator, group_ranks
 from cpdpkit.sync._flat import FlatParameters
 from cpdpkit.sync._grad_buckets import GradientBuckets
-from cpdpkit.sync._state_policies import sync_buffers, sync_optimizer_state
+from cpdpkit.sync._reconcile import STATS_SLOTS, Reconciler
+from cpdpkit.sync._state_policies import sync_buffers
 from cpdpkit.sync.config import StepKind, SyncConfig
 from cpdpkit.sync.stats import SyncStats
 
 __all__ = ["PeriodicSyncOptimizer"]
 
-# 1: {"inner": <inner state dict>, "cpdpkit": ...}; 2: torch's standard dict plus "cpdpkit".
-_STATE_VERSION = 2
+# 1: {"inner": <inner state dict>, "cpdpkit": ...}; 2: torch's standard dict plus "cpdpkit";
+# 3: "cpdpkit" also holds the schedule, the controller's decisions and a reconciliation in flight.
+_STATE_VERSION = 3
 _CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(SyncConfig))
 
 
@@ -92,11 +97,12 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
             groups added; LR schedulers attach to it or to this wrapper).
         model: the module whose parameters the optimizer trains; a plain ``nn.Module`` or a
             ``DistributedDataParallel``.
-        config: a :class:`~cpdpkit.sync.SyncConfig` (strategy, period, warm-up, SlowMo's β
-            and α, buffer and optimizer-state policies, bucket size, timeout).
+        config: a :class:`~cpdpkit.sync.SyncConfig` (strategy, period or ``"auto"``, warm-up,
+            SlowMo's β and α, buffer and optimizer-state policies, bucket size, timeout,
+            ``overlap_steps``, the controller's ``target_exposed_frac``, ``k_min``, ``k_max``,
+            ``max_divergence``).
         **options: instead of ``config``, SyncConfig's fields as keywords (``strategy``,
-            ``period``, ``warmup_steps``, ``slowmo_momentum``, ``slowmo_lr``, ``buffers``,
-            ``optimizer_state``, ``bucket_cap_mb``, ``timeout_s``); unset ones take
+            ``period``, ``warmup_steps``, ``overlap_steps``, ...); unset ones take
             SyncConfig's defaults. Passing both ``config`` and options is refused (a
             ``ConfigError`` naming ``dataclasses.replace(config, ...)``), as is an unknown one.
         group: the process group to synchronise over (default: the world).
@@ -132,7 +138,8 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         self._ddp = model if isinstance(model, DistributedDataParallel) else None
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         self._check_params_in_model(model)
-        self._flat = FlatParameters(optimizer.param_groups, anchor_dtype=anchor_dtype)
+        self._flat = FlatParameters(optimizer.param_groups, anchor_dtype=anchor_dtype,
+                                    stats_slots=STATS_SLOTS if self.config.auto else 0)
         if self._flat.low_precision_params() and self.config.uses_slowmo and anchor_dtype is None:
             raise ConfigError(
                 f"parameters are {self._flat.low_precision_params()[0]}: SlowMo's anchor and "
@@ -147,6 +154,11 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         self._extra_bytes = 0
         self._no_sync = False
         self._buckets: GradientBuckets | None = None
+        self._reconciler = Reconciler(
+            self.config, self._flat, slow=self._slow, world=self._comm, optimizer=self.optim,
+            params=self._params, buffers=self._buffers,
+            blocked_s=lambda: sum(c.blocked_s for c in self._communicators()),
+        )
         self._start()
 
     # -- construction ----------------------------------------------------------------------
@@ -189,6 +201,12 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
             if fast is None:
                 raise ConfigError("slow_group is set without fast_group: pass both, or use group=")
             _check_group(slow, "slow_group")
+        if fast is not None and self.config.auto:
+            raise ConfigError(
+                "period='auto' with fast_group: each slow group would choose its own K while "
+                "reconciliation steps all-reduce gradients over the whole group; pass a fixed "
+                "period, or group= without fast_group"
+            )
         if isinstance(model, DistributedDataParallel):
             ddp_ranks = group_ranks(model.process_group)
             if ddp_ranks != group_ranks(group):
@@ -251,7 +269,7 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
             self._comm.broadcast_(self._flat.flats, self.config.bucket_cap_bytes)
             if self._buffers():
                 sync_buffers(self._comm, self._buffers(), "broadcast", self.config.bucket_cap_bytes)
-        if self.config.uses_slowmo:
+        if self._keeps_anchor:
             self._flat.capture_anchor()
         for comm in self._communicators():
             comm.reset_counters()  # stats count from the first step, not construction
@@ -263,6 +281,12 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
                 target=self._gradient_target,
             )
         self._arm_next_step()
+        self._reconciler.mark(0)
+
+    @property
+    def _keeps_anchor(self) -> bool:
+        # SlowMo's anchor; for localsgd with period="auto" the controller's reference
+        return self.config.uses_slowmo or self.config.auto
 
     def _buffers(self) -> list[torch.Tensor]:
         # Listed anew each time: a module may re-assign a buffer rather than update it in place.
@@ -283,8 +307,9 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         c = self.config
         return (
-            f"PeriodicSyncOptimizer(strategy={c.strategy!r}, period={c.period}, "
-            f"warmup_steps={c.warmup_steps}, step={self._step}, inner={self.optim!r})"
+            f"PeriodicSyncOptimizer(strategy={c.strategy!r}, period={c.period!r}, "
+            f"warmup_steps={c.warmup_steps}, overlap_steps={c.overlap_steps}, "
+            f"step={self._step}, inner={self.optim!r})"
         )
 
     # -- schedule helpers ------------------------------------------------------------------
@@ -293,20 +318,27 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         """Optimizer steps taken so far (n of the last step)."""
         return self._step
 
+    @property
+    def period(self) -> int:
+        """The current K (with ``period="auto"``, the one decided last)."""
+        return self._reconciler.schedule.period
+
     def next_step_kind(self) -> StepKind:
-        return self.config.step_kind(self._step + 1)
+        return self._reconciler.schedule.kind(self._step + 1)
+
+    def _syncs_gradients(self, n: int) -> bool:
+        return self.config.kind_syncs_gradients(self._reconciler.schedule.kind(n))
 
     def _gradient_target(self) -> Communicator | None:
         """The communicator the coming step's gradients are averaged over (hook time)."""
-        n = self._step + 1
-        if self.config.syncs_gradients(n):
+        if self._syncs_gradients(self._step + 1):
             return self._comm
         return self._fast
 
     def _arm_next_step(self) -> None:
         """Tell the gradient path whether the coming backward communicates."""
         if self._ddp is not None:
-            syncs = self.config.syncs_gradients(self._step + 1) and not self._no_sync
+            syncs = self._syncs_gradients(self._step + 1) and not self._no_sync
             self._ddp.require_backward_grad_sync = syncs
         if self._buckets is not None:
             self._buckets.enabled = not self._no_sync
@@ -334,8 +366,8 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         n = self._step + 1
-        kind = self.config.step_kind(n)
-        syncs = self.config.syncs_gradients(n)
+        kind = self._reconciler.schedule.kind(n)
+        syncs = self.config.kind_syncs_gradients(kind)
         target = self._gradient_target()
         if self._buckets is not None and target is not None:
             self._buckets.finish(target)
@@ -345,41 +377,35 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
             self._counts["gradient_syncs"] += 1
         self.optim.step()
         if kind is StepKind.RECONCILE:
-            self._reconcile()
+            self._counts["reconciliations"] += 1
+            if self.config.overlap_steps:
+                self._reconciler.launch(n)
+            else:
+                self._reconciler.reconcile_blocking(n)
         elif kind in (StepKind.DDP, StepKind.WARMUP):
             sync_buffers(self._comm, self._buffers(), self.config.buffers, self.config.bucket_cap_bytes)
         else:
             self._counts["local_steps"] += 1
-        if self.config.uses_slowmo and n == self.config.warmup_steps:
+            self._reconciler.apply(n, force=False)  # an overlapped average due at this step
+        if self._keeps_anchor and n == self.config.warmup_steps:
             # The periodic phase starts here: SlowMo's anchor is the post-warm-up parameters.
             self._flat.capture_anchor()
+            self._reconciler.mark(n)
         self._step = n
         self._arm_next_step()
         return loss
 
-    @torch.no_grad()
-    def _reconcile(self) -> None:
-        cfg = self.config
-        self._counts["reconciliations"] += 1
-        self._flat.ensure_bound()
-        with self._slow.blocking(SYNC.PARAM_AVERAGE):
-            self._slow.average_(self._flat.flats, cfg.bucket_cap_bytes)
-        if cfg.uses_slowmo:
-            with record_function(SYNC.SLOWMO_UPDATE.label):  # local arithmetic, not communication
-                self._flat.slowmo_update(
-                    self.optim.param_groups, beta=float(cfg.slowmo_momentum),
-                    alpha=float(cfg.slowmo_lr),
-                )
-        sync_buffers(self._comm, self._buffers(), cfg.buffers, cfg.bucket_cap_bytes)
-        sync_optimizer_state(
-            self._slow, self.optim, self._params, cfg.optimizer_state, cfg.bucket_cap_bytes
-        )
+    def flush(self) -> None:
+        """Apply a reconciliation still in flight (``overlap_steps >= 1``) now, e.g. at the end
+        of training; every rank must call it. Nothing happens when none is in flight."""
+        self._reconciler.apply(self._step)
 
     @torch.no_grad()
     def average_parameters(self) -> None:
         """Average parameters and buffers across the group now (e.g. before evaluation or
         saving one model at the end of training); every rank must call it. No SlowMo update,
-        no step counted."""
+        no step counted. A reconciliation in flight is applied first (:meth:`flush`)."""
+        self.flush()
         self._flat.ensure_bound()
         with self._comm.blocking(SYNC.PARAM_AVERAGE):
             self._comm.average_(self._flat.flats, self.config.bucket_cap_bytes)
@@ -404,14 +430,20 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
             collectives=sum(c.collectives for c in comms),
             bytes_sent=sum(c.bytes_sent for c in comms) + self._extra_bytes,
             blocked_s=sum(c.blocked_s for c in comms),
+            period=self.period,
+            in_flight=self._reconciler.in_flight is not None,
+            period_decisions=tuple(self._reconciler.decisions),
         )
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """The inner optimizer's standard state dict plus key ``"cpdpkit"``.
 
         ``{"state": ..., "param_groups": ..., "cpdpkit": {"version", "config", "step",
-        "counts", "layout", "anchor", "slow_momentum"}}``. The wrapper's state-dict pre-hooks
-        run first and its post-hooks see (and may replace) the whole dict, as torch's.
+        "counts", "layout", "anchor", "slow_momentum", "schedule", "decisions",
+        "in_flight"}}``. A reconciliation in flight is waited for (not applied: it still applies
+        at its step) and saved, so a resumed run continues bit-identically. The wrapper's
+        state-dict pre-hooks run first and its post-hooks see (and may replace) the whole
+        dict, as torch's.
 
         ``torch.distributed.checkpoint``'s ``get_optimizer_state_dict`` reads the standard
         part (it drops ``"cpdpkit"``); on an optimizer with no state yet it first calls
@@ -429,6 +461,7 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
             "counts": dict(self._counts),
             "layout": self._flat.layout(),
             **self._flat.slowmo_state(),
+            **self._reconciler.state_dict(),
         }
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
@@ -452,10 +485,11 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         self._alias_inner()
         self._flat.ensure_bound()
         self._flat.load_slowmo_state(own)
-        if self.config.uses_slowmo and own.get("anchor") is None:
+        if self._keeps_anchor and own.get("anchor") is None:
             self._flat.capture_anchor()
         self._step = int(own["step"])
         self._counts.update(own.get("counts", {}))
+        self._reconciler.load_state_dict(own, self._step)
         self._arm_next_step()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
@@ -471,11 +505,11 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         version = own.get("version")
         if version == 1:  # written before the wrapper used torch's standard layout
             inner_state = state_dict["inner"]
-        elif version == _STATE_VERSION:
+        elif version in (2, _STATE_VERSION):
             inner_state = {k: v for k, v in state_dict.items() if k != "cpdpkit"}
         else:
             raise ConfigError(
-                f"checkpoint has cpdpkit state version {version!r}, this cpdpkit reads 1 and "
+                f"checkpoint has cpdpkit state version {version!r}, this cpdpkit reads 1 to "
                 f"{_STATE_VERSION}: load it with the cpdpkit version that saved it"
             )
         saved = SyncConfig.from_dict(own["config"])
@@ -483,6 +517,12 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
             raise ConfigError(
                 f"checkpoint was saved with strategy {saved.strategy!r}, this optimizer uses "
                 f"{self.config.strategy!r}: construct it with strategy={saved.strategy!r}"
+            )
+        if own.get("in_flight") is not None and not self.config.overlap_steps:
+            raise ConfigError(
+                f"checkpoint holds a reconciliation in flight (saved with overlap_steps="
+                f"{saved.overlap_steps}), this optimizer reconciles blocking: construct it with "
+                f"overlap_steps={saved.overlap_steps}"
             )
         if own["layout"] != self._flat.layout():
             raise ConfigError(

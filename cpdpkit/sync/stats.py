@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from cpdpkit.sync.period_control import PeriodDecision
+
 __all__ = ["SyncStats"]
 
 
@@ -18,6 +20,9 @@ class SyncStats:
     collectives, gradient waits included; compute that overlapped an in-flight gradient
     all-reduce is not counted. ``bytes_sent`` counts collective payload bytes (the tensor
     size handed to each collective, as nccl-tests' "size"), summed over collectives.
+    ``period`` is the current K (with ``period="auto"``, the one decided last) and
+    ``period_decisions`` every decision of the controller, oldest first; ``in_flight`` whether
+    an overlapped reconciliation's average is still to be applied.
     """
 
     steps: int = 0
@@ -27,10 +32,18 @@ class SyncStats:
     collectives: int = 0
     bytes_sent: int = 0
     blocked_s: float = 0.0
+    period: int | None = None
+    in_flight: bool = False
+    period_decisions: tuple[PeriodDecision, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        out["period_decisions"] = [d.to_dict() for d in self.period_decisions]
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SyncStats:
-        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
+        fields = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data}
+        if "period_decisions" in fields:
+            fields["period_decisions"] = tuple(PeriodDecision.from_dict(d) for d in fields["period_decisions"])
+        return cls(**fields)
