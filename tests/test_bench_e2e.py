@@ -14,7 +14,7 @@ import pytest
 import typer.main
 from typer.testing import CliRunner
 
-from cpdpkit.bench.config import BENCH_STRATEGIES, BenchConfig, RunSpec
+from cpdpkit.bench.config import BENCH_STRATEGIES, DEFAULT_STRATEGIES, BenchConfig, RunSpec
 from cpdpkit.bench.runner import run_one
 from cpdpkit.cli import app
 from cpdpkit.cli.bench import _bench_config
@@ -75,6 +75,20 @@ def test_failed_and_diverged_runs_are_reported_with_their_reason(tmp_path):
     assert math.isnan(diverged["peak_test_acc"])
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_auto_k_run_reports_its_k_over_time(tmp_path):
+    config = BenchConfig(world_size=2, topologies=("lan", "wan"))
+    result = run_one(_spec(strategy="cpdp-auto", period=None, k_max=4, topology="wan"), config, tmp_path)
+    assert result["status"] == "ok", result.get("reason")
+    assert Path(result["run_dir"]).name == "wan-cpdp-auto-seed0" and result["topology"] == "wan"
+    history = result["period_history"]
+    assert history[0]["step"] == 0 and len(history) >= 2
+    assert [h["step"] for h in history] == sorted(h["step"] for h in history)
+    assert all(1 <= h["period"] <= 4 for h in history)
+    assert result["mean_period"] == pytest.approx(result["steps"] / (len(history) - 1), rel=0.5)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -91,6 +105,11 @@ def test_failed_and_diverged_runs_are_reported_with_their_reason(tmp_path):
                                       "e.g. --lr-schedule cosine"),
         (["--optimizer-state", "sync"], "--optimizer-state 'sync' is not one of keep, average, reset"),
         (["--slowmo-momentum", "1.0"], "--slowmo-momentum must be in [0, 1), got 1.0"),
+        (["--topology", "lan", "--topologies", "lan,wan"], "--topology lan and --topologies lan,wan both given: use "
+                                                           "--topologies for several presets, or --topology for one"),
+        (["--topologies", "lan,moon"], "unknown topology 'moon' in --topologies: choose from lan, wan, wan-variable"),
+        (["--k-min", "9"], "--k-min 9 is above --k-max 8: give k-min <= k-max, e.g. --k-min 1 --k-max 8"),
+        (["--overlap-steps", "0"], "--overlap-steps must be an integer >= 1, got 0"),
     ],
 )
 def test_bad_options_exit_2_with_one_line_before_anything_starts(args, message, tmp_path):
@@ -115,10 +134,14 @@ _NONE = dict(strategies=None, periods=None, epochs=None, model=None, batch_size=
                                                 epochs=3, quick=True)),  # --quick caps the epochs, as it always did
     ({"strategies": "cpdp", "world_size": 4, "topology": "cluster", "lr": 0.05},
      BenchConfig(strategies=("cpdp",), world_size=4, topology="cluster", lr=0.05)),
-    ({"momentum": 0.0, "slowmo_momentum": 0.7, "slowmo_lr": 0.5, "warmup_steps": 8, "optimizer_state": "average",
-      "lr_schedule": "cosine"},
-     BenchConfig(momentum=0.0, slowmo_momentum=0.7, slowmo_lr=0.5, warmup_steps=8, optimizer_state="average",
-                 lr_schedule="cosine")),
+    ({"strategies": "ddp,slowmo,cpdp", "momentum": 0.0, "slowmo_momentum": 0.7, "slowmo_lr": 0.5, "warmup_steps": 8,
+      "optimizer_state": "average", "lr_schedule": "cosine"},
+     BenchConfig(strategies=("ddp", "slowmo", "cpdp"), momentum=0.0, slowmo_momentum=0.7, slowmo_lr=0.5,
+                 warmup_steps=8, optimizer_state="average", lr_schedule="cosine")),
+    ({"topologies": "lan,wan-variable", "overlap_steps": 3, "target_exposed_frac": 0.2, "k_min": 2, "k_max": 16,
+      "max_divergence": 0.05},
+     BenchConfig(topologies=("lan", "wan-variable"), overlap_steps=3, target_exposed_frac=0.2, k_min=2, k_max=16,
+                 max_divergence=0.05)),
 ])
 def test_options_resolve_to_the_config(given, expect):
     kw = {**_NONE, "quick": False, "dataset": None, "data_dir": None, "seeds": 1, **given}
@@ -131,11 +154,14 @@ def test_help_documents_the_configs_defaults():
                   if isinstance(p.show_default, str)}
     quick = _bench_config(**{**_NONE, "quick": True, "dataset": None, "data_dir": None, "seeds": 1})
     config = BenchConfig()
-    assert documented.pop("strategies") == "all" and config.strategies == BENCH_STRATEGIES
+    assert documented.pop("strategies") == "all but slowmo-overlap" and config.strategies == DEFAULT_STRATEGIES
+    assert set(BENCH_STRATEGIES) - set(DEFAULT_STRATEGIES) == {"slowmo-overlap"}
     assert documented.pop("periods") == ",".join(map(str, config.periods))
+    assert documented.pop("max_divergence") == "no cap" and config.max_divergence is None
     assert documented == {name: str(getattr(config, name)) for name in documented}
     assert set(documented) == {"model", "dataset", "epochs", "batch_size", "lr", "world_size", "topology", "momentum",
-                               "slowmo_momentum", "slowmo_lr", "warmup_steps", "optimizer_state", "lr_schedule"}
+                               "slowmo_momentum", "slowmo_lr", "warmup_steps", "optimizer_state", "lr_schedule",
+                               "overlap_steps", "target_exposed_frac", "k_min", "k_max"}
     quick_doc = {p.name: str(p.show_default).split("--quick:")[1].strip() for p in bench.params
                  if isinstance(p.show_default, str) and "--quick:" in p.show_default}
     assert quick_doc == {"strategies": ",".join(quick.strategies), "periods": ",".join(map(str, quick.periods)),

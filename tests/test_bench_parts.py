@@ -97,7 +97,8 @@ def test_models_build_for_each_input():
     [
         ({"periods": (0,)}, "period K must be an integer >= 1, got 0: e.g. --periods 2,4"),
         ({"strategies": ("ddp", "fedavg")}, "unknown strategy 'fedavg': choose from ddp, "
-                                            "localsgd-torch, localsgd, slowmo, cpdp"),
+                                            "localsgd-torch, localsgd, slowmo, cpdp, cpdp-overlap, cpdp-auto, "
+                                            "slowmo-overlap"),
         # the lists are whatever the bench offers; the message's form is what is pinned here
         ({"model": "gpt9"}, f"unknown model 'gpt9': choose one of {', '.join(MODELS)}"),
         ({"dataset": "mnist"}, f"unknown dataset 'mnist': choose one of {', '.join(DATASETS)}"),
@@ -116,7 +117,10 @@ def test_runs_cover_every_strategy_period_and_seed():
     runs = BenchConfig(periods=(2, 4), seeds=2).runs()
     labels = [(r.strategy, r.period, r.seed) for r in runs]
     assert labels[:3] == [("ddp", None, 0), ("localsgd-torch", 2, 0), ("localsgd-torch", 4, 0)]
-    assert len(runs) == 2 * (1 + 4 * 2)
+    # ddp and cpdp-auto once; localsgd-torch, localsgd, slowmo, cpdp and cpdp-overlap at each K
+    assert len(runs) == 2 * (2 + 5 * 2)
+    assert ("cpdp-overlap", 4, 1) in labels and ("cpdp-auto", None, 0) in labels
+    assert ("slowmo-overlap", 2, 0) not in labels  # not in the default list
 
 
 def _run(strategy, period, seed, acc, wall, status="ok"):

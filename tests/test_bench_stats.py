@@ -263,6 +263,9 @@ def test_the_runner_steps_its_scheduler_after_each_optimizer_step():
     assert seen == pytest.approx([0.1, 0.1, 0.01, 0.001])
 
 
+_SYNC = {"overlap_steps": 3, "target_exposed_frac": 0.1, "k_min": 1, "k_max": 8, "max_divergence": None}
+
+
 def _bench_strategies_on_rank(rank: int, world: int) -> dict:
     """Every kind of bench runner, built as the worker builds it; the lr it trains with, its options."""
     from cpdpkit.bench.strategies import build_strategy
@@ -274,7 +277,7 @@ def _bench_strategies_on_rank(rank: int, world: int) -> dict:
         torch.manual_seed(0)
         runner = build_strategy(strategy, 2, nn.Linear(3, 2), lr=0.1, momentum=0.9, slowmo_momentum=0.6,
                                 slowmo_lr=0.7, warmup_steps=2, optimizer_state="average", lr_schedule="step",
-                                total_steps=8)
+                                total_steps=8, sync=_SYNC)
         lrs = []
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

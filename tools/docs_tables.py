@@ -5,7 +5,10 @@ job: ``BenchReport.to_dict()`` in cpdpkit/bench/report.py) and what ``cpdpkit be
 --json FILE`` writes (``ShardingReport.to_dict()`` in cpdpkit/bench/sharding.py); docs/json.md
 describes both. For every file it prints a markdown section: a caption, the command that
 reproduces the run, the date the file was written, the table with the same columns as the
-CLI's, and the goals table (docs/results.md). Other JSON files are skipped with a note.
+CLI's (one per topology of a ``--topologies`` run), and the goals tables (docs/results.md): the
+fixed goals of the default run, and the overlap and auto-K goals and K-over-time lines that
+``cpdpkit bench`` prints (cpdpkit/bench/goals.py, shared). JSON from before ``--topologies`` has
+no topology per result: it is the config's. Other JSON files are skipped with a note.
 
 Usage::
 
@@ -26,6 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from cpdpkit.bench.goals import k_over_time_lines, overlap_and_auto_goals, result_topology  # as the CLI judges them
 from cpdpkit.cli._bench_plot import plot_accuracy_vs_wall  # the plot `cpdpkit bench --plot` draws
 from cpdpkit.cli._bench_sharding import goal_lines  # the goals block `cpdpkit bench sharding` prints
 
@@ -36,12 +40,14 @@ MAIN_COLUMNS = ("strategy", "status", "peak acc %", "final acc %", "Δ pp", "wal
 # `cpdpkit bench` defaults (cpdpkit/bench/config.py BenchConfig), to print the shortest command that
 # reproduces a run; kept here so this tool needs no torch. A stale default prints a wrong command:
 # tests/test_bench_stats.py checks these against BenchConfig().
-MAIN_DEFAULTS = {"strategies": ["ddp", "localsgd-torch", "localsgd", "slowmo", "cpdp"], "periods": [2, 4],
+MAIN_DEFAULTS = {"strategies": ["ddp", "localsgd-torch", "localsgd", "slowmo", "cpdp", "cpdp-overlap", "cpdp-auto"],
+                 "periods": [2, 4],
                  "model": "char-mlp", "dataset": "stdlib-text", "data_dir": None, "epochs": 4, "batch_size": 128,
                  "lr": 0.1,
                  "momentum": 0.9, "slowmo_momentum": 0.5, "slowmo_lr": 1.0, "warmup_steps": 0,
                  "optimizer_state": "keep", "lr_schedule": "constant", "world_size": 2, "topology": "wan", "seeds": 1,
-                 "profile_dir": None, "augment": False, "max_images": None}
+                 "profile_dir": None, "augment": False, "max_images": None, "overlap_steps": 3,
+                 "target_exposed_frac": 0.1, "k_min": 1, "k_max": 8, "max_divergence": None, "topologies": None}
 MAIN_QUICK = {"strategies": ["ddp", "localsgd-torch", "cpdp"], "periods": [4], "epochs": 3}
 SHARDING_DEFAULTS = {"strategies": ["fsdp2", "hsdp", "zero1", "zero1-overlap", "planned", "two-stage", "partial"],
                      "model": "gpt-tiny", "world_size": 4, "topology": "cluster-slow-ib", "batch_size": 4, "lr": 0.003,
@@ -186,20 +192,52 @@ def main_goals(report: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def topologies_of(report: dict[str, Any]) -> list[str | None]:
+    """The topologies of a main-job report's results, in order (a result without one: the config's)."""
+    return list(dict.fromkeys(result_topology(r, report["config"]) for r in report["results"]))
+
+
+def on_topology(report: dict[str, Any], topology: str | None) -> dict[str, Any]:
+    """The part of ``report`` on one topology (the whole report has the same form)."""
+    return {**report, "results": [r for r in report["results"] if result_topology(r, report["config"]) == topology]}
+
+
+def _topology_block(report: dict[str, Any]) -> list[str]:
+    """The table of one topology and the fixed goals of the default run on it."""
+    out = [markdown_table(MAIN_COLUMNS, main_rows(report))]
+    goals = main_goals(report)
+    if goals:
+        out += ["", markdown_table(["goal", "measured", ""], goals)]
+    return out
+
+
 def render_main(report: dict[str, Any], path: Path) -> str:
     cfg = report["config"]
-    caption = (f"{cfg['model']} on {cfg['dataset']}, {cfg['world_size']} ranks, topology {cfg['topology']}, "
+    topologies = topologies_of(report) or [cfg["topology"]]
+    where = f"topology {topologies[0]}" if len(topologies) == 1 else f"topologies {', '.join(map(str, topologies))}"
+    caption = (f"{cfg['model']} on {cfg['dataset']}, {cfg['world_size']} ranks, {where}, "
                f"lr {cfg['lr']}, {cfg['epochs']} epochs, {cfg['seeds']} seed(s)")
     out = [f"### {caption}", "",
            f"`{main_command(cfg, path)}` (written {_written(path)}; "
            "mean ± std over seeds; Δ vs ddp, paired by seed, [95 % CI]; * = the CI excludes 0 (Δ wall %: of the "
            "paired wall-clock difference); exposed = time the training loop waited on communication; "
-           "harness = launch, data, evaluation, not in wall s)", "",
-           markdown_table(MAIN_COLUMNS, main_rows(report))]
-    goals = main_goals(report)
+           "harness = launch, data, evaluation, not in wall s)", ""]
+    if len(topologies) == 1:
+        out += _topology_block(report)
+    for topology in topologies if len(topologies) > 1 else ():
+        out += [f"#### topology {topology}", "", *_topology_block(on_topology(report, topology)), ""]
+    k_lines = k_over_time_lines(report)
+    if k_lines:
+        out += ["", "K over time (K's changes, and the last decision):", "", *[f"- {line}" for line in k_lines]]
+    goals = overlap_and_auto_goals(report)
     if goals:
-        out += ["", markdown_table(["goal", "measured", ""], goals)]
-    return "\n".join(out) + "\n"
+        rows = [[g.text, g.measured, _met(g.met)] for g in goals]
+        out += ["", "Goals of the overlapped and auto-K strategies (as `cpdpkit bench` prints them):", "",
+                markdown_table(["goal", "measured", ""], rows)]
+    text = "\n".join(out)
+    while "\n\n\n" in text:  # the blocks' blank separators, one each
+        text = text.replace("\n\n\n", "\n\n")
+    return text.rstrip("\n") + "\n"
 
 
 # ---- the sharding suite: cpdpkit bench sharding -------------------------------------------------

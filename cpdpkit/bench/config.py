@@ -16,11 +16,16 @@ from cpdpkit.bench.models import check_model_available
 from cpdpkit.bench.text import check_corpus
 from cpdpkit.errors import ConfigError
 from cpdpkit.sync.config import STATE_POLICIES
+from cpdpkit.topology import PRESETS
 
-__all__ = ["BENCH_STRATEGIES", "LR_SCHEDULES", "PERIODIC", "BenchConfig", "RunSpec"]
+__all__ = ["BENCH_STRATEGIES", "DEFAULT_STRATEGIES", "LR_SCHEDULES", "PERIODIC", "BenchConfig", "RunSpec"]
 
-BENCH_STRATEGIES = ("ddp", "localsgd-torch", "localsgd", "slowmo", "cpdp")
-PERIODIC = ("localsgd-torch", "localsgd", "slowmo", "cpdp")
+# every strategy the bench knows; the default runs all but slowmo-overlap
+BENCH_STRATEGIES = ("ddp", "localsgd-torch", "localsgd", "slowmo", "cpdp", "cpdp-overlap", "cpdp-auto",
+                    "slowmo-overlap")
+DEFAULT_STRATEGIES = BENCH_STRATEGIES[:-1]
+# run at every K of --periods; cpdp-auto picks its own K (period None)
+PERIODIC = ("localsgd-torch", "localsgd", "slowmo", "cpdp", "cpdp-overlap", "slowmo-overlap")
 LR_SCHEDULES = ("constant", "cosine", "step")  # built by cpdpkit.bench.strategies.build_lr_scheduler
 
 
@@ -48,6 +53,12 @@ class RunSpec:
     lr_schedule: str = "constant"
     augment: bool = False
     max_images: int | None = None
+    overlap_steps: int = 2
+    target_exposed_frac: float = 0.1
+    k_min: int = 1
+    k_max: int = 8
+    max_divergence: float | None = None
+    topology: str | None = None  # None: the config's --topology (spec.json files from before --topologies)
 
     @property
     def label(self) -> str:
@@ -61,6 +72,10 @@ class RunSpec:
         return cls(**data)
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _positive(name: str, value: Any, fix: str) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
         raise ConfigError(f"{name} must be > 0, got {value!r}: {fix}")
@@ -70,7 +85,7 @@ def _positive(name: str, value: Any, fix: str) -> None:
 class BenchConfig:
     """The comparison ``cpdpkit bench`` runs (defaults: the CPDP paper's setting, on stdlib-text)."""
 
-    strategies: tuple[str, ...] = BENCH_STRATEGIES
+    strategies: tuple[str, ...] = DEFAULT_STRATEGIES
     periods: tuple[int, ...] = (2, 4)
     model: str = "char-mlp"  # the default workload, cpdpkit.bench.text; digits: --model cnn --epochs 30 --batch-size 32
     dataset: str = "stdlib-text"
@@ -91,6 +106,12 @@ class BenchConfig:
     profile_dir: str | None = None
     augment: bool = False  # random crop (padding 4) + horizontal flip of training batches
     max_images: int | None = None  # use at most this many training and this many test images
+    overlap_steps: int = 3  # τ of cpdp-overlap and slowmo-overlap: the average lands τ steps after its launch
+    target_exposed_frac: float = 0.1  # cpdp-auto: the share of step time its controller lets sync expose
+    k_min: int = 1  # cpdp-auto: the range of K its controller picks from
+    k_max: int = 8
+    max_divergence: float | None = None  # cpdp-auto: cap on the ranks' parameter divergence (None: no cap)
+    topologies: tuple[str, ...] | None = None  # run the whole comparison once per preset (else: topology)
 
     def __post_init__(self) -> None:
         for s in self.strategies:
@@ -132,6 +153,47 @@ class BenchConfig:
         if not 0.0 <= self.momentum < 1.0:
             raise ConfigError(f"--momentum must be in [0, 1), got {self.momentum!r}: e.g. --momentum 0.9")
         self._check_sync_options()
+        self._check_overlap_and_auto()
+        self._check_topologies()
+
+    @property
+    def topology_names(self) -> tuple[str, ...]:
+        """The topologies the comparison runs on, in order: ``topologies``, else ``(topology,)``."""
+        return self.topologies if self.topologies is not None else (self.topology,)
+
+    def _check_overlap_and_auto(self) -> None:
+        if not _is_int(self.overlap_steps) or self.overlap_steps < 1:
+            raise ConfigError(f"--overlap-steps must be an integer >= 1, got {self.overlap_steps!r}: the steps an "
+                              "overlapped average may run behind, e.g. --overlap-steps 2")
+        overlapped = [s for s in self.strategies if s.endswith("-overlap")]
+        if overlapped and self.optimizer_state == "average":
+            raise ConfigError(f"--optimizer-state average cannot be applied late, as {', '.join(overlapped)} would: "
+                              "use --optimizer-state keep, or leave the -overlap strategies out of --strategies")
+        frac = self.target_exposed_frac
+        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0.0 < frac < 1.0:
+            raise ConfigError(f"--target-exposed-frac must be in (0, 1), got {frac!r}: the share of step time "
+                              "cpdp-auto may leave exposed to sync, e.g. --target-exposed-frac 0.1")
+        for flag, value in (("--k-min", self.k_min), ("--k-max", self.k_max)):
+            if not _is_int(value) or value < 1:
+                raise ConfigError(f"{flag} must be an integer >= 1, got {value!r}: e.g. --k-min 1 --k-max 8")
+        if self.k_min > self.k_max:
+            raise ConfigError(f"--k-min {self.k_min} is above --k-max {self.k_max}: give k-min <= k-max, "
+                              "e.g. --k-min 1 --k-max 8")
+        if self.max_divergence is not None:
+            _positive("--max-divergence", self.max_divergence, "e.g. --max-divergence 0.01, or leave it out for no cap")
+
+    def _check_topologies(self) -> None:
+        if self.topologies is None:
+            return
+        if not self.topologies:
+            raise ConfigError("--topologies is empty: name at least one preset, e.g. --topologies lan,wan")
+        for name in self.topologies:
+            if name not in PRESETS:
+                raise ConfigError(f"unknown topology {name!r} in --topologies: choose from {', '.join(PRESETS)} "
+                                  "(a TOML file: --topology FILE)")
+        repeated = sorted({name for name in self.topologies if self.topologies.count(name) > 1})
+        if repeated:
+            raise ConfigError(f"--topologies names {', '.join(repeated)} more than once: list each topology once")
 
     def _check_model_fits_data(self) -> None:
         """Character ids and images need different models: refuse a mismatch before any launch."""
@@ -160,23 +222,30 @@ class BenchConfig:
                 raise ConfigError(f"{flag} {value!r} is not one of {', '.join(choices)}: e.g. {flag} {example}")
 
     def runs(self) -> list[RunSpec]:
-        """Every (strategy, period, seed) to run, ddp first (the baseline)."""
-        out = []
-        for seed in range(self.seeds):
-            for strategy in self.strategies:
-                for period in (self.periods if strategy in PERIODIC else (None,)):
-                    out.append(RunSpec(
-                        strategy=strategy, period=period, seed=seed, model=self.model,
-                        dataset=self.dataset, data_dir=self.data_dir,
-                        epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
-                        momentum=self.momentum, slowmo_momentum=self.slowmo_momentum,
-                        quick=self.quick, profile_dir=self.profile_dir, slowmo_lr=self.slowmo_lr,
-                        warmup_steps=self.warmup_steps, optimizer_state=self.optimizer_state,
-                        lr_schedule=self.lr_schedule, augment=self.augment, max_images=self.max_images,
-                    ))
-        return out
+        """Every (topology, seed, strategy, period) to run, topology by topology, ddp first (the baseline)."""
+        return [self._spec(topology, seed, strategy, period)
+                for topology in self.topology_names
+                for seed in range(self.seeds)
+                for strategy in self.strategies
+                for period in (self.periods if strategy in PERIODIC else (None,))]
+
+    def _spec(self, topology: str, seed: int, strategy: str, period: int | None) -> RunSpec:
+        profile_dir = self.profile_dir
+        if profile_dir is not None and len(self.topology_names) > 1:  # DIR/<topology>/<strategy>-k<K>/
+            profile_dir = f"{profile_dir.rstrip('/')}/{topology}"
+        return RunSpec(strategy=strategy, period=period, seed=seed, model=self.model,
+                       dataset=self.dataset, data_dir=self.data_dir,
+                       epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
+                       momentum=self.momentum, slowmo_momentum=self.slowmo_momentum,
+                       quick=self.quick, profile_dir=profile_dir, slowmo_lr=self.slowmo_lr,
+                       warmup_steps=self.warmup_steps, optimizer_state=self.optimizer_state,
+                       lr_schedule=self.lr_schedule, augment=self.augment, max_images=self.max_images,
+                       overlap_steps=self.overlap_steps, target_exposed_frac=self.target_exposed_frac,
+                       k_min=self.k_min, k_max=self.k_max, max_divergence=self.max_divergence,
+                       topology=topology)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["strategies"], out["periods"] = list(self.strategies), list(self.periods)
+        out["topologies"] = None if self.topologies is None else list(self.topologies)
         return out

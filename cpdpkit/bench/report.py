@@ -8,6 +8,10 @@ and initial parameters, so the per-seed differences ``d_i`` cancel what the seed
 With ``n`` seeds where both finished, the difference is ``mean(d)`` and its 95 % confidence
 interval ``mean(d) ± t(0.975, n-1) · sd(d) / √n`` (none for ``n < 2``). A difference is
 *significant* when that interval excludes 0.
+
+Results are grouped by (topology, strategy, period), and differences are paired within one
+topology. A run names its topology in ``spec["topology"]``; runs from before ``--topologies``
+(and their JSON) name none and are on ``config["topology"]``.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import statistics
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-__all__ = ["StrategyResult", "BenchReport", "aggregate", "paired_difference", "significant",
+__all__ = ["StrategyResult", "BenchReport", "aggregate", "paired_difference", "run_topology", "significant",
            "t_quantile_975"]
 
 _MEAN_KEYS = ("peak_test_acc", "final_test_acc", "wall_s", "step_s", "exposed_sync_s_per_step",
@@ -78,6 +82,7 @@ class StrategyResult:
     strategy: str
     period: int | None
     status: str  # "ok", or "failed"/"diverged" when no seed finished
+    topology: str | None = None
     reasons: tuple[str, ...]
     means: dict[str, float]
     stds: dict[str, float]
@@ -97,7 +102,7 @@ class StrategyResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "strategy": self.strategy, "period": self.period, "status": self.status,
+            "strategy": self.strategy, "period": self.period, "topology": self.topology, "status": self.status,
             "reasons": list(self.reasons), **self.means,
             "std": self.stds, "delta_acc_pp_vs_ddp": self.delta_acc_pp,
             "delta_acc_ci95_pp": _as_list(self.delta_acc_ci95_pp),
@@ -117,11 +122,17 @@ class BenchReport:
     config: dict[str, Any]
     results: tuple[StrategyResult, ...]
 
-    def result(self, strategy: str, period: int | None = None) -> StrategyResult | None:
+    def result(self, strategy: str, period: int | None = None, topology: str | None = None) -> StrategyResult | None:
+        """The result of ``strategy`` at ``period`` on ``topology`` (None: the first topology that has it)."""
         for r in self.results:
-            if r.strategy == strategy and r.period == period:
+            if r.strategy == strategy and r.period == period and topology in (None, r.topology):
                 return r
         return None
+
+    @property
+    def topologies(self) -> tuple[str | None, ...]:
+        """The topologies of the results, in first-seen order."""
+        return tuple(dict.fromkeys(r.topology for r in self.results))
 
     def to_dict(self) -> dict[str, Any]:
         return {"config": self.config, "results": [r.to_dict() for r in self.results]}
@@ -130,7 +141,7 @@ class BenchReport:
 def _seed_entry(run: dict[str, Any]) -> dict[str, Any]:
     keep = ("status", "reason", "peak_test_acc", "final_test_acc", "wall_s", "step_s", "steps",
             "exposed_sync_s_per_step", "bytes_per_step", "collectives_per_step", "final_loss",
-            "harness_s", "launch_s", "curve", "dataset_info")
+            "harness_s", "launch_s", "curve", "dataset_info", "period_history", "mean_period")
     return {"seed": run["spec"]["seed"], **{k: run.get(k) for k in keep}}
 
 
@@ -146,7 +157,7 @@ def _mean_curve(runs: list[dict[str, Any]]) -> tuple[dict[str, float], ...]:
     return tuple(out)
 
 
-def _one(strategy: str, period: int | None, runs: list[dict[str, Any]]) -> StrategyResult:
+def _one(topology: str | None, strategy: str, period: int | None, runs: list[dict[str, Any]]) -> StrategyResult:
     ok = [r for r in runs if r.get("status") == "ok"]
     means, stds = {}, {}
     for key in _MEAN_KEYS:
@@ -154,25 +165,28 @@ def _one(strategy: str, period: int | None, runs: list[dict[str, Any]]) -> Strat
     reasons = tuple(f"seed {r['spec']['seed']}: {r.get('reason')}" for r in runs if r.get("status") != "ok")
     status = "ok" if ok else (runs[0].get("status") or "failed")
     harness = statistics.fmean(r.get("harness_total_s", 0.0) for r in runs) if runs else 0.0
-    return StrategyResult(strategy=strategy, period=period, status=status, reasons=reasons,
+    return StrategyResult(strategy=strategy, period=period, topology=topology, status=status, reasons=reasons,
                           means=means, stds=stds, seeds=tuple(_seed_entry(r) for r in runs),
                           harness_s=harness, curve=_mean_curve(ok))
 
 
+def run_topology(run: dict[str, Any], config: dict[str, Any]) -> str | None:
+    """The topology a run trained on: its spec's, else the config's (runs from before --topologies)."""
+    return run["spec"].get("topology") or config.get("topology")
+
+
 def aggregate(config: dict[str, Any], runs: list[dict[str, Any]]) -> BenchReport:
-    """Group run results by (strategy, period), in first-seen order; add deltas vs ddp."""
-    order: list[tuple[str, int | None]] = []
-    grouped: dict[tuple[str, int | None], list[dict[str, Any]]] = {}
-    for run in runs:
-        key = (run["spec"]["strategy"], run["spec"]["period"])
-        if key not in grouped:
-            order.append(key)
-        grouped.setdefault(key, []).append(run)
-    results = [_one(s, p, grouped[(s, p)]) for s, p in order]
-    base = next((r for r in results if r.strategy == "ddp" and r.status == "ok"), None)
-    if base is not None:
-        base_runs = grouped[("ddp", None)]
-        results = [_with_delta(r, base, grouped[(r.strategy, r.period)], base_runs) for r in results]
+    """Group run results by (topology, strategy, period), in first-seen order; add deltas vs that topology's ddp."""
+    grouped: dict[tuple[str | None, str, int | None], list[dict[str, Any]]] = {}
+    for run in runs:  # dicts keep first-seen order
+        grouped.setdefault((run_topology(run, config), run["spec"]["strategy"], run["spec"]["period"]), []).append(run)
+    plain = {key: _one(*key, group) for key, group in grouped.items()}
+    results = []
+    for key, r in plain.items():
+        base_key = (key[0], "ddp", None)
+        base = plain.get(base_key)
+        ok = base is not None and base.status == "ok"
+        results.append(_with_delta(r, base, grouped[key], grouped[base_key]) if ok else r)
     return BenchReport(config=config, results=tuple(results))
 
 

@@ -1,7 +1,8 @@
 """Running every (strategy, period, seed) of a :class:`BenchConfig` as its own launched job.
 
 Each run is a fresh set of processes under torch's launcher (through :mod:`cpdpkit.launch`),
-over the emulated network named by the config's topology. A run that fails (a crashed rank,
+over the emulated network named by its spec's topology (the config's when the spec names none;
+with several ``topologies`` the run folders start with the topology's name). A run that fails (a crashed rank,
 a diverged loss) is recorded with its reason and the others still run. Progress reaches the
 caller as events: ``("start", spec)``, ``("epoch", spec, epoch, epochs)``,
 ``("done", spec, result)``.
@@ -25,18 +26,20 @@ __all__ = ["run_bench", "run_one"]
 Event = tuple[Any, ...]
 
 
-def _run_dir(work_dir: Path, spec: RunSpec) -> Path:
+def _run_dir(work_dir: Path, spec: RunSpec, config: BenchConfig) -> Path:
     name = spec.strategy if spec.period is None else f"{spec.strategy}-k{spec.period}"
+    if len(config.topology_names) > 1:
+        name = f"{spec.topology or config.topology}-{name}"
     return work_dir / f"{name}-seed{spec.seed}"
 
 
-def _launch(run_dir: Path, config: BenchConfig) -> tuple[int, str]:
-    """Launch the worker on ``config.world_size`` ranks; ``(exit code, error line)``."""
+def _launch(run_dir: Path, config: BenchConfig, topology: str) -> tuple[int, str]:
+    """Launch the worker on ``config.world_size`` ranks over ``topology``; ``(exit code, error line)``."""
     from cpdpkit.bench import worker
     from cpdpkit.launch import LaunchConfig, launch
 
     result = launch(
-        LaunchConfig(nproc_per_node=config.world_size, topology=config.topology,
+        LaunchConfig(nproc_per_node=config.world_size, topology=topology,
                      log_dir=str(run_dir / "logs")),
         worker.__file__, [str(run_dir)],
     )
@@ -64,7 +67,7 @@ def _watch(run_dir: Path, spec: RunSpec, emit: Callable[[Event], None], stop: th
 def run_one(spec: RunSpec, config: BenchConfig, work_dir: Path,
             emit: Callable[[Event], None] = lambda e: None) -> dict[str, Any]:
     """Launch one run and return its result (with status and reason on failure)."""
-    run_dir = _run_dir(work_dir, spec)
+    run_dir = _run_dir(work_dir, spec, config)
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in (RESULT_FILE, PROGRESS_FILE):
         (run_dir / stale).unlink(missing_ok=True)
@@ -75,7 +78,7 @@ def run_one(spec: RunSpec, config: BenchConfig, work_dir: Path,
     watcher.start()
     start = time.perf_counter()
     try:
-        code, error = _launch(run_dir, config)
+        code, error = _launch(run_dir, config, spec.topology or config.topology)
     finally:
         stop.set()
         watcher.join()
@@ -95,7 +98,7 @@ def run_one(spec: RunSpec, config: BenchConfig, work_dir: Path,
 
 def run_bench(config: BenchConfig, work_dir: Path,
               emit: Callable[[Event], None] = lambda e: None) -> BenchReport:
-    """Run every (strategy, period, seed) of ``config``; aggregate over seeds."""
+    """Run every (topology, strategy, period, seed) of ``config``; aggregate over seeds."""
     work_dir.mkdir(parents=True, exist_ok=True)
     runs = [run_one(spec, config, work_dir, emit) for spec in config.runs()]
     return aggregate(config.to_dict(), runs)

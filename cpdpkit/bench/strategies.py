@@ -4,6 +4,9 @@
 * ``localsgd-torch``: torch's ``PostLocalSGDOptimizer`` with ``PeriodicModelAverager(period=K,
   warmup_steps=K-1)`` on the plain module (the real peer).
 * ``localsgd``, ``slowmo``, ``cpdp``: :class:`cpdpkit.sync.PeriodicSyncOptimizer`.
+* ``slowmo-overlap``, ``cpdp-overlap``: the same with ``overlap_steps`` (the parameter average
+  launched asynchronously and applied τ steps later); ``cpdp-auto``: cpdp with ``period="auto"``
+  (a controller picks K at run time). :func:`sync_options` maps a bench strategy to its options.
 
 Every strategy's inner optimizer is SGD (``lr``, ``momentum``), and the LR schedule
 (:func:`build_lr_scheduler`) applies to all of them, stepped after every optimizer step: on the
@@ -21,6 +24,7 @@ which is how long ``backward()`` waits in DDP's ``finalize_backward``.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +36,7 @@ from torch import nn
 from cpdpkit.bench.config import LR_SCHEDULES
 from cpdpkit.sync import PeriodicSyncOptimizer
 
-__all__ = ["Meter", "StrategyRunner", "build_lr_scheduler", "build_strategy"]
+__all__ = ["Meter", "StrategyRunner", "build_lr_scheduler", "build_strategy", "period_history", "sync_options"]
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, schedule: str,
@@ -90,11 +94,51 @@ class StrategyRunner:
     def finish(self) -> Meter:
         return self.meter
 
+    def period_history(self) -> tuple[list[dict[str, Any]], float | None] | None:
+        """K over time, ``(history, mean K)``, for PeriodicSyncOptimizer's strategies; None for the peers."""
+        return None
+
+
+def sync_options(strategy: str, period: int | None, *, overlap_steps: int, target_exposed_frac: float,
+                 k_min: int, k_max: int, max_divergence: float | None) -> dict[str, Any]:
+    """The :class:`PeriodicSyncOptimizer` keyword options of one of our bench strategies."""
+    if strategy == "cpdp-auto":
+        return {"strategy": "cpdp", "period": "auto", "target_exposed_frac": target_exposed_frac,
+                "k_min": k_min, "k_max": k_max, "max_divergence": max_divergence}
+    if period is None:
+        raise ValueError(f"bench strategy {strategy!r} needs a period K")
+    if strategy in ("slowmo-overlap", "cpdp-overlap"):
+        return {"strategy": strategy.removesuffix("-overlap"), "period": period, "overlap_steps": overlap_steps}
+    return {"strategy": strategy, "period": period}
+
+
+def period_history(stats: dict[str, Any], initial_period: int | None) -> tuple[list[dict[str, Any]], float | None]:
+    """``(history, mean K)`` from ``opt.stats.to_dict()``: K at step 0, then each decision of the controller.
+
+    Each history entry is ``{"step", "period", ...}`` (a decision's other fields kept); the mean K is
+    steps per reconciliation (None before the first reconciliation).
+    """
+    history: list[dict[str, Any]] = [] if initial_period is None else [{"step": 0, "period": initial_period}]
+    for decision in stats.get("period_decisions") or ():
+        entry = dict(decision) if isinstance(decision, dict) else dataclasses.asdict(decision)
+        history.append({"step": entry.pop("step"), "period": entry.pop("period"), **entry})
+    reconciliations = stats.get("reconciliations") or 0
+    mean = stats.get("steps", 0) / reconciliations if reconciliations else None
+    return history, mean
+
 
 class _Ours(StrategyRunner):
+    def __init__(self, module: nn.Module, optimizer: PeriodicSyncOptimizer, period: int | None) -> None:
+        super().__init__(module, module, optimizer)
+        # K before any decision: the current K the stats report (cpdp-auto's first pick), else the fixed one
+        self.initial_period = getattr(optimizer.stats, "period", None) or period
+
     def finish(self) -> Meter:
         stats = self.optimizer.stats
         return Meter(stats.blocked_s, stats.collectives, stats.bytes_sent)
+
+    def period_history(self) -> tuple[list[dict[str, Any]], float | None]:
+        return period_history(self.optimizer.stats.to_dict(), self.initial_period)
 
 
 class _TorchLocalSGD(StrategyRunner):
@@ -154,10 +198,12 @@ class _TorchDDP(StrategyRunner):
 
 def build_strategy(strategy: str, period: int | None, module: nn.Module, *, lr: float,
                    momentum: float, slowmo_momentum: float, slowmo_lr: float, warmup_steps: int,
-                   optimizer_state: str, lr_schedule: str, total_steps: int) -> StrategyRunner:
+                   optimizer_state: str, lr_schedule: str, total_steps: int,
+                   sync: dict[str, Any]) -> StrategyRunner:
     """The runner for ``strategy`` (one of :data:`cpdpkit.bench.config.BENCH_STRATEGIES`).
 
-    ``slowmo_lr``, ``warmup_steps`` and ``optimizer_state`` go to :class:`PeriodicSyncOptimizer`
+    ``slowmo_lr``, ``warmup_steps``, ``optimizer_state`` and ``sync`` (the overlap and auto-K options,
+    :func:`sync_options`' keywords but the strategy and period) go to :class:`PeriodicSyncOptimizer`
     only; ``lr_schedule`` over ``total_steps`` applies to every strategy. No defaults here: they
     live in :class:`~cpdpkit.bench.config.BenchConfig` (one source).
     """
@@ -177,12 +223,11 @@ def build_strategy(strategy: str, period: int | None, module: nn.Module, *, lr: 
         scheduled = sgd(module.parameters())
         runner = _TorchLocalSGD(module, scheduled, period)
     else:
-        assert period is not None
-        opt = PeriodicSyncOptimizer(sgd(module.parameters()), model=module, strategy=strategy,
-                                    period=period, slowmo_momentum=slowmo_momentum,
+        opt = PeriodicSyncOptimizer(sgd(module.parameters()), model=module,
+                                    **sync_options(strategy, period, **sync), slowmo_momentum=slowmo_momentum,
                                     slowmo_lr=slowmo_lr, warmup_steps=warmup_steps,
                                     optimizer_state=optimizer_state)
-        runner = _Ours(module, module, opt)
+        runner = _Ours(module, opt, period)
         scheduled = opt
     runner.scheduler = build_lr_scheduler(scheduled, lr_schedule, total_steps)
     return runner

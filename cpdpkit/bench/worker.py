@@ -107,6 +107,11 @@ def _train(spec: RunSpec, runner: StrategyRunner, data: Dataset, run_dir: Path,
             "status": status, "reason": reason, "final_loss": loss}
 
 
+def _sync_kw(spec: RunSpec) -> dict:
+    return {"overlap_steps": spec.overlap_steps, "target_exposed_frac": spec.target_exposed_frac,
+            "k_min": spec.k_min, "k_max": spec.k_max, "max_divergence": spec.max_divergence}
+
+
 def _profiled(spec: RunSpec):
     import contextlib
 
@@ -138,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
                             momentum=spec.momentum, slowmo_momentum=spec.slowmo_momentum,
                             slowmo_lr=spec.slowmo_lr, warmup_steps=spec.warmup_steps,
                             optimizer_state=spec.optimizer_state, lr_schedule=spec.lr_schedule,
-                            total_steps=total_steps)
+                            total_steps=total_steps, sync=_sync_kw(spec))
     setup_s = time.perf_counter() - t0
     with _profiled(spec) as prof:
         out = _train(spec, runner, data, run_dir, rank, world, prof)
@@ -158,6 +163,9 @@ def main(argv: list[str] | None = None) -> None:
         "final_loss": out["final_loss"], "curve": out["curve"],
         "harness_s": {"setup": setup_s, "eval_and_checks": out["harness_s"]},
     }
+    k_over_time = runner.period_history()  # ours only: K at step 0 and each controller decision
+    if k_over_time is not None:
+        result["period_history"], result["mean_period"] = k_over_time
     finish_rank(run_dir, rank, result)
 
 

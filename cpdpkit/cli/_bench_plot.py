@@ -12,7 +12,7 @@ __all__ = ["plot_accuracy_vs_wall"]
 
 
 def plot_accuracy_vs_wall(report: dict[str, Any], path: Path) -> None:
-    """Test accuracy against wall clock, one curve per strategy (as ``cpdpkit bench --plot``).
+    """Test accuracy against wall clock, one curve per strategy (and topology, when there are several).
 
     The mean over seeds, with a band of ±1 std across seeds at each epoch when there are several.
     """
@@ -21,6 +21,8 @@ def plot_accuracy_vs_wall(report: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    cfg = report["config"]
+    topologies = list(dict.fromkeys(r.get("topology") or cfg.get("topology") for r in report["results"]))
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in report["results"]:
         curve = r.get("curve") or []
@@ -28,15 +30,17 @@ def plot_accuracy_vs_wall(report: dict[str, Any], path: Path) -> None:
             wall, acc = [p["wall_s"] for p in curve], [p["test_acc"] * 100 for p in curve]
             std = [p.get("test_acc_std", 0.0) * 100 for p in curve]
             label = r["strategy"] if r.get("period") is None else f"{r['strategy']} K={r['period']}"
+            if len(topologies) > 1:
+                label += f" ({r.get('topology') or cfg.get('topology')})"
             (line,) = ax.plot(wall, acc, marker=".", label=label)
             if any(std):
                 ax.fill_between(wall, [a - s for a, s in zip(acc, std)], [a + s for a, s in zip(acc, std)],
                                 color=line.get_color(), alpha=0.2, linewidth=0)
-    seeds = report["config"].get("seeds", 1)
+    seeds = cfg.get("seeds", 1)
     spread = f"; mean ± std over {seeds} seeds" if seeds > 1 else ""
     ax.set_xlabel("wall-clock training time (s)")
     ax.set_ylabel("test accuracy (%)")
-    ax.set_title(f"test accuracy vs wall clock ({report['config']['topology']}{spread})")
+    ax.set_title(f"test accuracy vs wall clock ({', '.join(map(str, topologies or [cfg['topology']]))}{spread})")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

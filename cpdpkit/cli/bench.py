@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
+from rich.markup import escape
 from typer.core import TyperGroup
 
 from cpdpkit.cli._bench_plot import plot_accuracy_vs_wall
@@ -78,12 +79,17 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 def _bench_config(*, strategies: str | None, periods: str | None, epochs: int | None, quick: bool,
-                  preset: str | None = None, **kw: Any) -> BenchConfig:
+                  preset: str | None = None, topologies: str | None = None, **kw: Any) -> BenchConfig:
     """The main job's BenchConfig: the options given (not None), else ``--quick``'s reduced defaults, else the
     preset's settings, else BenchConfig's."""
     from cpdpkit.bench.config import BenchConfig
 
+    if topologies is not None and kw.get("topology") is not None:
+        raise ConfigError(f"--topology {kw['topology']} and --topologies {topologies} both given: use --topologies "
+                          "for several presets, or --topology for one (a preset or a TOML file)")
     args = {name: value for name, value in kw.items() if value is not None}
+    if topologies is not None:
+        args["topologies"] = _names(topologies)
     if preset is not None:
         from cpdpkit.bench.presets import apply_preset
 
@@ -108,7 +114,9 @@ def bench(
     ctx: typer.Context,
     suite: str = typer.Option("cpdp", "--suite", help="Deprecated: --suite sharding is `cpdpkit bench sharding`."),
     strategies: str | None = typer.Option(None, help="Comma-separated subset of ddp, localsgd-torch, localsgd, "
-                                             "slowmo, cpdp.", show_default="all; --quick: ddp,localsgd-torch,cpdp"),
+                                             "slowmo, cpdp, cpdp-overlap (the average applied --overlap-steps "
+                                             "later), cpdp-auto (K chosen at run time), slowmo-overlap.",
+                                          show_default="all but slowmo-overlap; --quick: ddp,localsgd-torch,cpdp"),
     periods: str | None = typer.Option(None, help="K values for the periodic strategies.",
                                           show_default="2,4; --quick: 4"),
     model: str | None = typer.Option(None, help="char-mlp (next character) | cnn | resnet50-cifar (ResNet-50, 3x3 "
@@ -141,9 +149,21 @@ def bench(
     lr_schedule: str | None = typer.Option(None, help="constant | cosine (CosineAnnealingLR over all steps) | step "
                                               "(lr / 10 at 50 % and 75 % of the steps); every strategy.",
                                               show_default="constant"),
+    overlap_steps: int | None = typer.Option(None, help="τ of cpdp-overlap and slowmo-overlap: each reconciliation's "
+                                                "parameter average is applied this many steps after its launch "
+                                                "(or at the next reconciliation, if that comes first).",
+                                                show_default="3"),
+    target_exposed_frac: float | None = typer.Option(None, help="cpdp-auto: the share of step time its controller "
+                                                        "lets synchronisation expose.", show_default="0.1"),
+    k_min: int | None = typer.Option(None, help="cpdp-auto: the smallest K it may pick.", show_default="1"),
+    k_max: int | None = typer.Option(None, help="cpdp-auto: the largest K it may pick.", show_default="8"),
+    max_divergence: float | None = typer.Option(None, help="cpdp-auto: cap on the ranks' relative parameter "
+                                                   "divergence ||x_i - mean|| / ||mean||.", show_default="no cap"),
     world_size: int | None = typer.Option(None, help="Ranks per run.", show_default="2"),
     topology: str | None = typer.Option(None, help="Topology preset or TOML file to emulate.",
                                            show_default="wan"),
+    topologies: str | None = typer.Option(None, help="Run the whole comparison once per preset, e.g. "
+                                             "lan,wan,wan-variable (instead of --topology)."),
     seeds: int = typer.Option(1, help="Seeds per strategy (mean ± std; with >= 2, a 95 % CI of each "
                                       "difference to ddp, paired by seed)."),
     quick: bool = typer.Option(False, "--quick", help="A small smoke run (well under a minute)."),
@@ -156,7 +176,8 @@ def bench(
     memory_budget: str | None = typer.Option(None, hidden=True),
     max_grad_norm: float | None = typer.Option(None, hidden=True),
 ) -> None:
-    """Train one workload under ddp, localsgd-torch, localsgd, slowmo and cpdp; compare them.
+    """Train one workload under ddp, localsgd-torch, localsgd, slowmo, cpdp, cpdp-overlap and cpdp-auto; compare
+    them.
 
     Other suites are sub-commands: cpdpkit bench sharding --help."""
     if ctx.invoked_subcommand is not None:
@@ -180,8 +201,9 @@ def bench(
         strategies=strategies, periods=periods, model=model, dataset=dataset, data_dir=data_dir, epochs=epochs,
         batch_size=batch_size, lr=lr, momentum=momentum, slowmo_momentum=slowmo_momentum, slowmo_lr=slowmo_lr,
         warmup_steps=warmup_steps, optimizer_state=optimizer_state, lr_schedule=lr_schedule,
-        world_size=world_size, topology=topology, seeds=seeds,
-        quick=quick, profile_dir=profile, augment=augment, preset=preset,
+        world_size=world_size, topology=topology, topologies=topologies, seeds=seeds,
+        quick=quick, profile_dir=profile, augment=augment, preset=preset, overlap_steps=overlap_steps,
+        target_exposed_frac=target_exposed_frac, k_min=k_min, k_max=k_max, max_divergence=max_divergence,
     )
     _run_main(config, json_out=json_out, plot=plot, work_dir=work_dir)
 
@@ -229,21 +251,37 @@ def sharding(
 def _run_main(config: BenchConfig, *, json_out: str | None, plot: str | None, work_dir: str | None) -> None:
     from cpdpkit.topology import resolve_topology
 
-    resolve_topology(config.topology, world_size=config.world_size)  # a bad topology fails before any launch
+    for name in config.topology_names:  # a bad topology fails before any launch
+        resolve_topology(name, world_size=config.world_size)
     prepare_output(json_out, "--json")  # so does an output path that cannot be written
     prepare_output(plot, "--plot")
     with tempfile.TemporaryDirectory(prefix="cpdpkit-bench-") as tmp:
         report = _run_with_progress(config, Path(work_dir or tmp))
-    out_console.print(_table(report))
-    for r in report.results:
-        if r.status != "ok":
-            out_console.print(f"[red]{r.label} {r.status}:[/red] {'; '.join(r.reasons)}")
+    _print_report(report)
     if json_out:
         Path(json_out).write_text(json.dumps(report.to_dict(), indent=1))
         out_console.print(f"wrote {json_out}")
     if plot:
         plot_accuracy_vs_wall(report.to_dict(), Path(plot))
         out_console.print(f"wrote {plot}")
+
+
+def _print_report(report: BenchReport) -> None:
+    """One table per topology, the failures, K over time of the auto runs, then the goals."""
+    from cpdpkit.bench.goals import k_over_time_lines, overlap_and_auto_goals
+
+    for topology in report.topologies:
+        out_console.print(_table(report, topology))
+    for r in report.results:
+        if r.status != "ok":
+            where = f" on {r.topology}" if len(report.topologies) > 1 else ""
+            out_console.print(f"[red]{r.label}{where} {r.status}:[/red] {escape('; '.join(r.reasons))}")
+    data = report.to_dict()
+    for line in k_over_time_lines(data):
+        out_console.print(line, highlight=False)
+    for goal in overlap_and_auto_goals(data):
+        mark = "[green]met[/green]" if goal.met else "[red]not met[/red]"
+        out_console.print(f"goal: {escape(goal.text)}: {escape(goal.measured)} {mark}", highlight=False)
 
 
 def _run_with_progress(config: BenchConfig, work_dir: Path) -> BenchReport:
@@ -258,9 +296,11 @@ def _run_with_progress(config: BenchConfig, work_dir: Path) -> BenchReport:
         overall = progress.add_task("runs", total=len(runs))
         epoch_task = progress.add_task("", total=config.epochs)
 
+        several = len(config.topology_names) > 1
+
         def on_event(event: tuple) -> None:
             kind, spec = event[0], event[1]
-            name = f"{spec.label} seed {spec.seed}"
+            name = f"{spec.label} seed {spec.seed}" + (f" {spec.topology}" if several else "")
             if kind == "start":
                 progress.reset(epoch_task, total=spec.epochs, description=name)
             elif kind == "epoch":
@@ -299,12 +339,13 @@ def _row(r: StrategyResult) -> list[str]:
             _fmt(r.harness_s, ".1f")]
 
 
-def _table(report: BenchReport) -> Table:
+def _table(report: BenchReport, topology: str | None = None) -> Table:
+    """The comparison on ``topology`` (None: every result, titled with the config's topology)."""
     from rich.table import Table
 
     cfg = report.config
     table = Table(title=f"{cfg['model']} on {cfg['dataset']}, {cfg['world_size']} ranks, topology "
-                        f"{cfg['topology']}, lr {cfg['lr']}, {cfg['epochs']} epochs, "
+                        f"{topology or cfg['topology']}, lr {cfg['lr']}, {cfg['epochs']} epochs, "
                         f"{cfg['seeds']} seed(s)")
     for col in ("strategy", "status", "peak acc %", "final acc %", "Δ pp", "wall s", "Δ wall %",
                 "step ms", "exposed ms/step", "coll/step", "KB/step", "harness s"):
@@ -314,6 +355,7 @@ def _table(report: BenchReport) -> Table:
                      "wall-clock difference); exposed = time the training loop waited on communication; "
                      "harness = launch, data, evaluation (not in wall s)")
     for r in report.results:
-        table.add_row(*_row(r))
+        if topology is None or r.topology == topology:
+            table.add_row(*_row(r))
     return table
 
