@@ -263,7 +263,7 @@ def test_the_runner_steps_its_scheduler_after_each_optimizer_step():
     assert seen == pytest.approx([0.1, 0.1, 0.01, 0.001])
 
 
-_SYNC = {"overlap_steps": 3, "target_exposed_frac": 0.1, "k_min": 1, "k_max": 8, "max_divergence": None}
+_SYNC = {"overlap_steps": 3, "target_exposed_frac": 0.05, "k_min": 1, "k_max": 8, "max_divergence": None}
 
 
 def _bench_strategies_on_rank(rank: int, world: int) -> dict:

@@ -106,7 +106,7 @@ def test_config_and_keyword_forms_give_equal_config(world1):
     assert by_kw.config.to_dict() == {
         "strategy": "slowmo", "period": 3, "warmup_steps": 2, "slowmo_momentum": 0.5,
         "slowmo_lr": 1.0, "buffers": "average", "optimizer_state": "keep",
-        "bucket_cap_mb": 25.0, "timeout_s": 30, "overlap_steps": 0, "target_exposed_frac": 0.1,
+        "bucket_cap_mb": 25.0, "timeout_s": 30, "overlap_steps": 0, "target_exposed_frac": 0.05,
         "k_min": 1, "k_max": 8, "max_divergence": None}
     plain = PeriodicSyncOptimizer(torch.optim.SGD(m3.parameters(), lr=0.1), model=m3)
     assert plain.config == SyncConfig()  # the defaults are SyncConfig's

@@ -68,6 +68,21 @@ def test_rule_meets_the_exposed_target_and_steps_at_most_twofold():
     assert (d.period, d.limited_by) == (2, "k_min")
 
 
+def test_rule_smooths_exposed_and_compute_time_over_reconciliations():
+    cfg = _cfg(target_exposed_frac=0.1, k_max=64)
+    first = decide_period(cfg, step=8, period=8, exposed_s=0.010, compute_s_per_step=0.01, divergence=0.0)
+    assert (first.exposed_s, first.measured_exposed_s) == (0.010, 0.010)  # K_time = 9
+    # one quiet period (S = 1 ms) does not halve K: S~ = 0.3·0.001 + 0.7·0.010 = 0.0073, K_time = 7
+    second = decide_period(cfg, step=16, period=8, exposed_s=0.001, compute_s_per_step=0.01,
+                           divergence=0.0, previous=first)
+    assert second.exposed_s == pytest.approx(0.0073) and second.measured_exposed_s == 0.001
+    assert (second.period, second.limited_by) == (7, "exposed")
+    assert second.exposed_frac == pytest.approx(0.001 / (0.001 + 0.08))  # measured, not smoothed
+    unsmoothed = decide_period(cfg, step=16, period=8, exposed_s=0.001, compute_s_per_step=0.01,
+                               divergence=0.0)
+    assert unsmoothed.period == 4  # without the history: K_time = 1, halving at most
+
+
 def test_rule_divergence_bound_and_edge_cases():
     cfg = _cfg(target_exposed_frac=0.1, k_max=16, max_divergence=0.01)
     # the time rule wants 16+, divergence 0.02 at K=8 allows floor(8·0.01/0.02) = 4
@@ -167,11 +182,14 @@ def test_auto_ranks_agree_and_the_schedule_follows_the_decisions(results):
             assert steps[i] - steps[i - 1] == periods[i], (options, steps, periods)
         assert [d["step"] for d in decisions] == steps[: len(decisions)]
         cfg = SyncConfig(period="auto", **{k: v for k, v in options.items() if k != "strategy"})
+        previous = None
         for d in decisions:  # the recorded numbers give the recorded K under the documented rule
             again = decide_period(cfg, step=d["step"], period=d["measured_period"],
-                                  exposed_s=d["exposed_s"], compute_s_per_step=d["compute_s_per_step"],
-                                  divergence=d["divergence"])
-            assert again.period == d["period"] and again.limited_by == d["limited_by"]
+                                  exposed_s=d["measured_exposed_s"],
+                                  compute_s_per_step=d["measured_compute_s_per_step"],
+                                  divergence=d["divergence"], previous=previous)
+            assert again.to_dict() == d
+            previous = again
         assert mine["stats"]["period"] == (decisions[-1 - lag]["period"] if len(decisions) > lag else 1)
 
 

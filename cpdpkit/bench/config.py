@@ -53,8 +53,8 @@ class RunSpec:
     lr_schedule: str = "constant"
     augment: bool = False
     max_images: int | None = None
-    overlap_steps: int = 2
-    target_exposed_frac: float = 0.1
+    overlap_steps: int = 3
+    target_exposed_frac: float = 0.05
     k_min: int = 1
     k_max: int = 8
     max_divergence: float | None = None
@@ -107,7 +107,7 @@ class BenchConfig:
     augment: bool = False  # random crop (padding 4) + horizontal flip of training batches
     max_images: int | None = None  # use at most this many training and this many test images
     overlap_steps: int = 3  # τ of cpdp-overlap and slowmo-overlap: the average lands τ steps after its launch
-    target_exposed_frac: float = 0.1  # cpdp-auto: the share of step time its controller lets sync expose
+    target_exposed_frac: float = 0.05  # cpdp-auto: the share of step time its controller lets sync expose
     k_min: int = 1  # cpdp-auto: the range of K its controller picks from
     k_max: int = 8
     max_divergence: float | None = None  # cpdp-auto: cap on the ranks' parameter divergence (None: no cap)

@@ -154,7 +154,7 @@ def bench(
                                                 "(or at the next reconciliation, if that comes first).",
                                                 show_default="3"),
     target_exposed_frac: float | None = typer.Option(None, help="cpdp-auto: the share of step time its controller "
-                                                        "lets synchronisation expose.", show_default="0.1"),
+                                                        "lets synchronisation expose.", show_default="0.05"),
     k_min: int | None = typer.Option(None, help="cpdp-auto: the smallest K it may pick.", show_default="1"),
     k_max: int | None = typer.Option(None, help="cpdp-auto: the largest K it may pick.", show_default="8"),
     max_divergence: float | None = typer.Option(None, help="cpdp-auto: cap on the ranks' relative parameter "

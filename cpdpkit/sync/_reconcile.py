@@ -134,6 +134,7 @@ class Reconciler:
             self.config, step=step, period=measured_period, exposed_s=exposed,
             compute_s_per_step=compute,
             divergence=divergence(mean_progress_sq, progress_of_average_sq, average_sq),
+            previous=self.decisions[-1] if self.decisions else None,
         )
         with record_function(SYNC.PERIOD_DECISION.label + decision.label_details):
             self.decisions.append(decision)

@@ -88,7 +88,7 @@ class SyncConfig:
     bucket_cap_mb: float = 25.0
     timeout_s: float | None = None
     overlap_steps: int = 0
-    target_exposed_frac: float = 0.1
+    target_exposed_frac: float = 0.05
     k_min: int = 1
     k_max: int = 8
     max_divergence: float | None = None

@@ -13,9 +13,13 @@ means back, so every rank takes the same decision:
   ``δ = sqrt(mean_i ‖x_i − r‖² − ‖x̄ − r‖²) / ‖x̄‖`` = ``sqrt(mean_i ‖x_i − x̄‖²) / ‖x̄‖``.
 
 The rule (:func:`decide_period`), with ``K`` the period just measured and ``f`` the target
-exposed fraction: one reconciliation per period costs ``S`` against ``K'·C`` of compute, so the
-exposed fraction at period ``K'`` is ``S / (S + K'·C)``, and the smallest period meeting the target
-is ``K_time = ⌈S·(1 − f) / (f·C)⌉``. With ``max_divergence`` set and ``δ`` above it, divergence is
+exposed fraction. ``S`` and ``C`` are first smoothed over reconciliations,
+``S̃ = w·S + (1 − w)·S̃_previous`` (and ``C̃`` alike, ``w`` = :data:`SMOOTHING` = 0.3; the first
+decision takes ``S`` and ``C`` as they are): ``S`` is mostly the ranks' skew at the
+reconciliation, which varies a lot from one period to the next. One reconciliation per period
+costs ``S̃`` against ``K'·C̃`` of compute, so the exposed fraction at period ``K'`` is
+``S̃ / (S̃ + K'·C̃)``, and the smallest period meeting the target is
+``K_time = ⌈S̃·(1 − f) / (f·C̃)⌉``. With ``max_divergence`` set and ``δ`` above it, divergence is
 taken to grow in proportion to K and ``K_div = ⌊K·max_divergence/δ⌋`` (otherwise unbounded). Then
 
     K_next = clamp(min(K_time, K_div), max(k_min, ⌈K/2⌉), min(k_max, 2·K))
@@ -38,7 +42,9 @@ from typing import Any
 
 from cpdpkit.sync.config import StepKind, SyncConfig
 
-__all__ = ["PeriodDecision", "PeriodSchedule", "decide_period", "divergence"]
+__all__ = ["SMOOTHING", "PeriodDecision", "PeriodSchedule", "decide_period", "divergence"]
+
+SMOOTHING = 0.3  # w: the weight of the newest period's S and C in the smoothed values
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,7 +52,9 @@ class PeriodDecision:
     """One decision of ``period="auto"``: the group's means and the K chosen from them.
 
     ``step`` is the reconciliation whose numbers were used; ``measured_period`` the K of the
-    period they cover; ``exposed_frac`` the exposed fraction measured over it (``S/(S + K·C)``)
+    period they cover; ``measured_exposed_s`` and ``measured_compute_s_per_step`` the group's
+    means over that period, ``exposed_s`` and ``compute_s_per_step`` their smoothed values the
+    rule used; ``exposed_frac`` the exposed fraction measured over the period (``S/(S + K·C)``)
     and ``predicted_exposed_frac`` the one the rule expects at the chosen ``period``;
     ``limited_by`` names what set the result: ``"exposed"``, ``"divergence"``, ``"k_min"``,
     ``"k_max"`` or ``"step_limit"`` (at most ×2 or ÷2 per decision).
@@ -55,6 +63,8 @@ class PeriodDecision:
     step: int
     measured_period: int
     period: int
+    measured_exposed_s: float
+    measured_compute_s_per_step: float
     exposed_s: float
     compute_s_per_step: float
     divergence: float
@@ -94,10 +104,18 @@ def _exposed_frac(exposed_s: float, compute_s: float, period: int) -> float:
 
 
 def decide_period(config: SyncConfig, *, step: int, period: int, exposed_s: float,
-                  compute_s_per_step: float, divergence: float) -> PeriodDecision:
-    """The next K by the rule in the module docstring (pure arithmetic; same inputs, same K)."""
+                  compute_s_per_step: float, divergence: float,
+                  previous: PeriodDecision | None = None) -> PeriodDecision:
+    """The next K by the rule in the module docstring (pure arithmetic; same inputs, same K).
+
+    ``exposed_s`` and ``compute_s_per_step`` are this period's measured means; ``previous`` is the
+    last decision (its smoothed values carry the history), None for the first."""
     f = float(config.target_exposed_frac)
-    exposed_s, compute_s = max(0.0, float(exposed_s)), max(0.0, float(compute_s_per_step))
+    measured_s, measured_c = max(0.0, float(exposed_s)), max(0.0, float(compute_s_per_step))
+    exposed_s, compute_s = measured_s, measured_c
+    if previous is not None:
+        exposed_s = SMOOTHING * measured_s + (1.0 - SMOOTHING) * previous.exposed_s
+        compute_s = SMOOTHING * measured_c + (1.0 - SMOOTHING) * previous.compute_s_per_step
     if compute_s <= 0.0:
         k_time = config.k_max if exposed_s > 0 else config.k_min
     else:
@@ -117,9 +135,10 @@ def decide_period(config: SyncConfig, *, step: int, period: int, exposed_s: floa
     else:
         limited_by = "step_limit"
     return PeriodDecision(
-        step=step, measured_period=period, period=chosen, exposed_s=exposed_s,
+        step=step, measured_period=period, period=chosen, measured_exposed_s=measured_s,
+        measured_compute_s_per_step=measured_c, exposed_s=exposed_s,
         compute_s_per_step=compute_s, divergence=float(divergence),
-        exposed_frac=_exposed_frac(exposed_s, compute_s, period),
+        exposed_frac=_exposed_frac(measured_s, measured_c, period),
         predicted_exposed_frac=_exposed_frac(exposed_s, compute_s, chosen), limited_by=limited_by,
     )
 
