@@ -64,13 +64,14 @@ def test_config_refuses_bad_overlap_auto_and_topology_options(kwargs, message):
 
 def test_runs_cover_each_topology_and_carry_the_new_options():
     config = BenchConfig(strategies=("ddp", "cpdp-overlap", "cpdp-auto"), periods=(4,), topologies=("lan", "wan"),
-                         overlap_steps=3, k_max=16, max_divergence=0.02, profile_dir="traces")
+                         overlap_steps=2, k_max=16, max_divergence=0.02, target_exposed_frac=0.2,
+                         profile_dir="traces")
     runs = config.runs()
     assert [(r.topology, r.label) for r in runs] == [
         ("lan", "ddp"), ("lan", "cpdp-overlap K=4"), ("lan", "cpdp-auto"),
         ("wan", "ddp"), ("wan", "cpdp-overlap K=4"), ("wan", "cpdp-auto")]
     assert {(r.overlap_steps, r.k_min, r.k_max, r.max_divergence, r.target_exposed_frac) for r in runs} == {
-        (3, 1, 16, 0.02, 0.1)}
+        (2, 1, 16, 0.02, 0.2)}
     assert [r.profile_dir for r in runs[::3]] == ["traces/lan", "traces/wan"]  # traces of one topology apart
     assert config.to_dict()["topologies"] == ["lan", "wan"]
     single = BenchConfig(strategies=("ddp",), profile_dir="traces").runs()
@@ -78,7 +79,7 @@ def test_runs_cover_each_topology_and_carry_the_new_options():
     # a spec.json from before these options still loads
     old = {k: v for k, v in runs[0].to_dict().items()
            if k not in ("overlap_steps", "target_exposed_frac", "k_min", "k_max", "max_divergence", "topology")}
-    assert RunSpec.from_dict(old).topology is None and RunSpec.from_dict(old).overlap_steps == 2
+    assert RunSpec.from_dict(old).topology is None and RunSpec.from_dict(old).overlap_steps == BenchConfig().overlap_steps
 
 
 def test_run_folders_name_the_topology_only_when_there_are_several(tmp_path):
