@@ -68,7 +68,8 @@ def main() -> int:
         commands = {
             "--help": [exe, "--help"],
             "profile (2 MB CPU trace)": [exe, "profile", str(trace)],
-            "profile (HTA NCCL trace, 750 KB gz)": [exe, "profile", str(ROOT / "tests/data/hta/nccl_2rank")],
+            "profile (HTA NCCL trace, 750 KB gz)": [exe, "profile",
+                                                    str(ROOT / "tests/data/hta/nccl_2rank/rank-0.json.gz")],
             "plan llama-7b 64 ranks": [exe, "plan", "--model", "llama-7b", "--world-size", "64"],
             "topology show wan": [exe, "topology", "show", "wan", "--world-size", "4"],
             "bench --help": [exe, "bench", "--help"],

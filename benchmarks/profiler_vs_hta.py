@@ -5,8 +5,9 @@ For each trace folder, runs in a fresh subprocess (so memory figures are clean):
   * HTA 0.5.0: ``TraceAnalysis(trace_dir=folder)`` + ``get_comm_comp_overlap(visualize=False)``.
 and reports wall time, the speed-up, peak memory (tracemalloc peak of the call, and the
 growth of the process's peak RSS) against the uncompressed trace size, and both overlap
-percentages. Inputs: the shared NCCL traces (``../shared/traces``) and a synthesised larger
-trace (the 2-rank trace's events replicated back to back, ``--scale`` copies).
+percentages (``null`` for a rank without communication: cpdpkit's ``None``, HTA's NaN).
+Inputs: the shared NCCL traces (``../shared/traces``) and a synthesised larger trace (the
+2-rank trace's events replicated back to back, ``--scale`` copies).
 
 usage: python benchmarks/profiler_vs_hta.py [--scale 8] [--no-hta] [--shared PATH]
 """
@@ -28,7 +29,7 @@ from cpdpkit.profiler import find_trace_files
 ROOT = Path(__file__).resolve().parents[1]
 
 _CHILD = r"""
-import json, resource, sys, time, tracemalloc, gc
+import json, math, resource, sys, time, tracemalloc, gc
 tool, folder, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 if tool == "cpdpkit":
     from cpdpkit.profiler import analyze
@@ -51,8 +52,10 @@ else:
 seconds = time.perf_counter() - t0
 peak = tracemalloc.get_traced_memory()[1] if mode == "mem" else None
 rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# a rank without communication: cpdpkit says None, HTA NaN; both print as null, so they compare equal
 print(json.dumps({"seconds": seconds, "tracemalloc_peak_bytes": peak, "rss_growth_bytes": rss1 - rss0,
-                  "overlap_pct": {str(k): round(float(v), 2) for k, v in overlap.items()}}))
+                  "overlap_pct": {str(k): None if v is None or math.isnan(v) else round(float(v), 2)
+                                  for k, v in overlap.items()}}))
 """
 
 

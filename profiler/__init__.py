@@ -12,6 +12,9 @@ Exposed communication is ``|comm ∖ compute|`` (a rank's compute timeline waits
 hidden is ``|comm ∩ compute|``; the rules for what is comm and compute on GPU and CPU
 traces are in :mod:`cpdpkit.profiler.overlap` and :mod:`cpdpkit.profiler.classify`. On GPU
 traces the overlap percentage equals Holistic Trace Analysis' ``get_comm_comp_overlap``.
+Across a run's ranks, :mod:`cpdpkit.profiler.crossrank` matches the collectives and splits
+exposed time into waiting for the last rank (``skew_us``) and the rest (``transfer_us``),
+and names the stragglers (``run.summary.stragglers``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from cpdpkit.profiler.report import (
     RunSummary,
     StepReport,
     TraceIssue,
+    WaitSplit,
 )
 from cpdpkit.profiler.runs import analyze, analyze_run, expand_paths, find_trace_files, read_run_info
 from cpdpkit.profiler.trace import RankTrace, load_trace
@@ -47,6 +51,7 @@ __all__ = [
     "StepReport",
     "CommTotals",
     "TraceIssue",
+    "WaitSplit",
     "RankTrace",
     "Intervals",
     "KINDS",

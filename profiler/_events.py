@@ -36,6 +36,7 @@ class Args(msgspec.Struct, gc=False):
     correlation: _Int = -1
     collective: Any = msgspec.field(default=None, name="Collective name")
     process_group: Any = msgspec.field(default=None, name="Process Group Name")
+    seq: Any = msgspec.field(default=None, name="Seq")
     name: Any = None
 
 

@@ -3,10 +3,18 @@
 Rules (applied once per distinct event name, then broadcast to events by name id):
 
 GPU traces (events with a ``stream`` argument, as in Holistic Trace Analysis):
-  * communication: kernels whose name matches ``^nccl.*Kernel`` (NCCL on its streams);
+  * communication: kernels whose name matches ``^nccl.*Kernel``: both NCCL naming schemes,
+    ``ncclKernel_AllReduce_RING_LL_Sum_float(...)`` (NCCL < 2.19) and
+    ``ncclDevKernel_AllReduce_Sum_f32_RING_LL(...)`` (2.19 and later), the collective kind
+    read from either (or from the event's ``Collective name`` argument when torch writes one,
+    as for ``ncclDevKernel_Generic``);
   * memory (neither): names starting ``Memcpy``, ``Memset`` or ``dma``;
+  * synchronisation (neither): ``Stream Wait Event`` and names containing ``Sync``
+    (``Event Sync``, ``Context Sync``, ``cudaDeviceSynchronize``-like entries);
   * compute: every other kernel, except names HTA leaves out (containing ``Memcpy`` or
-    ``Sync``, or starting ``Memset``).
+    ``Sync``, or starting ``Memset``). Events whose category says they are no kernel
+    (``gpu_memcpy``, ``gpu_memset``, ``cuda_sync``, ...) are never compute whatever their name:
+    :mod:`cpdpkit.profiler.overlap` checks the category per event.
 
 CPU events (any thread):
   * backend worker collectives: ``gloo:*`` (gloo's ``pt_gloo_runloop`` threads), ``mpi:*``,
@@ -44,6 +52,9 @@ __all__ = [
 _NCCL_KERNEL = re.compile(r"^nccl.*Kernel")
 _MEMORY_KERNEL = re.compile(r"(^Memcpy)|(^Memset)|(^dma)")
 _NOT_COMPUTE = re.compile(r"(^nccl.*Kernel)|(.*(Memcpy)|(Memset))|(.*Sync)")
+# CUPTI's synchronisation records (torch >= 2.3 writes them on the GPU streams, category
+# ``cuda_sync``); the ones named ``... Sync`` are already out through ``_NOT_COMPUTE``
+_SYNC_KERNEL = re.compile(r"^Stream Wait Event")
 
 _BACKEND_PREFIXES = ("gloo:", "mpi:", "ucc:")
 
@@ -91,7 +102,7 @@ def _gpu_role(name: str) -> str:
         return "gpu_comm"
     if _MEMORY_KERNEL.match(name):
         return "gpu_memory"
-    if not _NOT_COMPUTE.match(name):
+    if not _NOT_COMPUTE.match(name) and not _SYNC_KERNEL.match(name):
         return "gpu_compute"
     return "gpu_other"
 

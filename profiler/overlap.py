@@ -11,7 +11,8 @@ What is communication and compute depends on the trace (rules per event name in
 
 GPU traces (any event on a GPU stream): comm = NCCL kernels (plus emulated link time,
 ``cpdpkit::emu::*``), compute = the other non-memory kernels, all streams merged — exactly
-HTA's ``get_comm_comp_overlap``, including its two details: GPU times are rounded inward
+HTA's ``get_comm_comp_overlap`` (plus: copies, sets and synchronisation records are never
+compute, by name or by category, ``_NOT_COMPUTE_CATS``), including its two details: GPU times are rounded inward
 to whole microseconds, and with two or more steps only work launched before the last
 ``ProfilerStep`` starts is counted (the last step may be cut off; it is reported per step
 with ``partial`` set). Per step, a kernel belongs to the ``ProfilerStep#N`` in
@@ -45,13 +46,16 @@ import numpy as np
 
 from cpdpkit.profiler import intervals as iv
 from cpdpkit.profiler.classify import parse_emu_label
+from cpdpkit.profiler.crossrank import rank_collectives
 from cpdpkit.profiler.report import CommTotals, RankReport, StepReport
 from cpdpkit.profiler.trace import RankTrace
 
 __all__ = ["analyze_trace", "PARTIAL_STEP_FRACTION", "IDLE_GAP_US", "WAIT_SLACK_US"]
 
 _STEP = re.compile(r"^ProfilerStep#(\d+)$")
-_CPU_OP_CATS = frozenset({"cpu_op", "operator"})
+_CPU_OP_CATS = frozenset({"cpu_op", "operator"})  # compared lowercased: torch 1.8 wrote "Operator"
+# GPU-stream events that are no kernel, whatever their name (categories of torch 1.8 to 2.x)
+_NOT_COMPUTE_CATS = frozenset({"gpu_memcpy", "gpu_memset", "memcpy", "memset", "cuda_sync", "gpu_user_annotation"})
 _CPU_COMM_ROLES = frozenset({"backend", "emu", "phase", "callsite"})
 _TRAINING_COMM_ROLES = frozenset({"phase", "callsite", "backend"})
 _INFLIGHT_ROLES = frozenset({"backend", "emu"})
@@ -71,8 +75,12 @@ def _per_name(trace: RankTrace, attr: str, values: Iterable[str]) -> np.ndarray:
     return np.array([getattr(c, attr) in wanted for c in trace.name_classes], dtype=bool)[trace.name_id]
 
 
+def _cat_in(trace: RankTrace, cats: frozenset[str]) -> np.ndarray:
+    return np.array([c.lower() in cats for c in trace.cats], dtype=bool)[trace.cat_id]
+
+
 def _is_cpu_op(trace: RankTrace) -> np.ndarray:
-    return np.array([c in _CPU_OP_CATS for c in trace.cats], dtype=bool)[trace.cat_id]
+    return _cat_in(trace, _CPU_OP_CATS)
 
 
 def _training_thread(trace: RankTrace, on_cpu: np.ndarray, step_rows: np.ndarray) -> int | None:
@@ -356,7 +364,7 @@ def analyze_trace(trace: RankTrace, *, rank: int | None = None) -> RankReport:
     """Exposed/hidden communication of one rank (see the module docstring for the rules)."""
     on_gpu = trace.stream != -1
     gpu_comm = on_gpu & _per_name(trace, "gpu_role", {"gpu_comm"})
-    gpu_compute = on_gpu & _per_name(trace, "gpu_role", {"gpu_compute"})
+    gpu_compute = on_gpu & _per_name(trace, "gpu_role", {"gpu_compute"}) & ~_cat_in(trace, _NOT_COMPUTE_CATS)
     mode = "gpu" if (gpu_comm.any() or gpu_compute.any()) else "cpu"
 
     def role(roles: Iterable[str]) -> np.ndarray:
@@ -388,4 +396,6 @@ def analyze_trace(trace: RankTrace, *, rank: int | None = None) -> RankReport:
         by_tier=_grouped(tiers, cs, ce, compute),
         steps=tuple(step_reports),
         process_groups=groups,
+        collectives=rank_collectives(trace, rows, kinds, cs, ce, compute, pgs=pgs, groups=groups, steps=steps,
+                                     anchor_us=_launch_us(trace, rows)[0]),  # for crossrank.cross_rank
     )

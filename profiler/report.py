@@ -5,10 +5,12 @@
     {"runs": [{"name", "path", "strategy", "run_info", "summary",
                "ranks": [{"rank", "path", "mode", "comm_us", "exposed_us", "hidden_us",
                           "compute_us", "overlap_pct", "by_kind", "by_process_group",
-                          "by_tier", "steps": [...]}]}],
+                          "by_tier", "skew_us", "transfer_us", "skew_by_kind",
+                          "steps": [...]}]}],
      "errors": [{"path", "error"}]}
 
-All times are microseconds. Reports hold data only; rendering lives in the CLI.
+All times are microseconds; ``overlap_pct`` is ``None`` (JSON ``null``) where there is no
+communication. Reports hold data only; rendering lives in the CLI.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 
 __all__ = [
     "CommTotals",
+    "WaitSplit",
     "StepReport",
     "RankReport",
     "RunSummary",
@@ -35,8 +38,9 @@ def _frozen_map(value: Mapping[str, Any] | None) -> Mapping[str, Any]:
     return MappingProxyType(dict(value or {}))
 
 
-def _pct(part: float, whole: float) -> float:
-    return 100.0 * part / whole if whole > 0 else 0.0
+def _pct(part: float, whole: float) -> float | None:
+    """``part / whole`` in %; ``None`` without communication (HTA: NaN), never a misleading 0 %."""
+    return 100.0 * part / whole if whole > 0 else None
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,8 @@ class CommTotals:
     hidden_us: float
 
     @property
-    def overlap_pct(self) -> float:
+    def overlap_pct(self) -> float | None:
+        """Hidden share of this slice's communication in %; ``None`` when it has none."""
         return _pct(self.hidden_us, self.comm_us)
 
     def to_dict(self) -> dict[str, float]:
@@ -57,6 +62,18 @@ class CommTotals:
 
 def _totals_dict(items: Mapping[str, CommTotals]) -> dict[str, dict[str, float]]:
     return {key: value.to_dict() for key, value in items.items()}
+
+
+@dataclass(frozen=True)
+class WaitSplit:
+    """Exposed communication split in two (:mod:`cpdpkit.profiler.crossrank`): ``skew_us``
+    waiting for the last rank to arrive, ``transfer_us`` the rest."""
+
+    skew_us: float
+    transfer_us: float
+
+    def to_dict(self) -> dict[str, float]:
+        return {"skew_us": self.skew_us, "transfer_us": self.transfer_us}
 
 
 @dataclass(frozen=True)
@@ -71,9 +88,16 @@ class StepReport:
     hidden_us: float
     by_kind: Mapping[str, CommTotals] = field(default_factory=dict)
     partial: bool = False
+    skew_us: float | None = None  # the cross-rank split of exposed_us (None: not made)
+    transfer_us: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "by_kind", _frozen_map(self.by_kind))
+
+    @property
+    def overlap_pct(self) -> float | None:
+        """Hidden share of the step's communication in %; ``None`` when the step has none."""
+        return _pct(self.hidden_us, self.comm_us)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -85,6 +109,8 @@ class StepReport:
             "hidden_us": self.hidden_us,
             "by_kind": _totals_dict(self.by_kind),
             "partial": self.partial,
+            "skew_us": self.skew_us,
+            "transfer_us": self.transfer_us,
         }
 
 
@@ -95,6 +121,10 @@ class RankReport:
     ``mode`` is ``"gpu"`` (GPU kernels: NCCL vs compute kernels, HTA's definition) or
     ``"cpu"`` (gloo and annotated communication vs the training thread's ops).
     ``by_process_group`` maps a process-group name to its totals plus ``desc``/``ranks``.
+    ``skew_us``/``transfer_us`` (and per kind ``skew_by_kind``) split ``exposed_us`` into
+    waiting for the last rank and the rest (:mod:`cpdpkit.profiler.crossrank`; ``None``/``{}``
+    when the run's ranks could not be matched); ``collectives`` is that analysis' input,
+    dropped once the run is analysed.
     """
 
     rank: int
@@ -110,14 +140,20 @@ class RankReport:
     by_tier: Mapping[str, CommTotals]
     steps: tuple[StepReport, ...] = ()
     process_groups: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    skew_us: float | None = None
+    transfer_us: float | None = None
+    skew_by_kind: Mapping[str, WaitSplit] = field(default_factory=dict)
+    collectives: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("by_kind", "by_process_group", "by_tier", "process_groups"):
             object.__setattr__(self, name, _frozen_map(getattr(self, name)))
+        object.__setattr__(self, "skew_by_kind", _frozen_map(self.skew_by_kind))
 
     @property
-    def overlap_pct(self) -> float:
-        """Hidden share of communication, ``hidden / comm × 100`` (HTA's overlap %)."""
+    def overlap_pct(self) -> float | None:
+        """Hidden share of communication, ``hidden / comm × 100`` (HTA's overlap %);
+        ``None`` ("no communication") for a rank without any, where HTA gives NaN."""
         return _pct(self.hidden_us, self.comm_us)
 
     @property
@@ -142,6 +178,9 @@ class RankReport:
             "by_kind": _totals_dict(self.by_kind),
             "by_process_group": pgs,
             "by_tier": _totals_dict(self.by_tier),
+            "skew_us": self.skew_us,
+            "transfer_us": self.transfer_us,
+            "skew_by_kind": {kind: split.to_dict() for kind, split in self.skew_by_kind.items()},
         }
         if per_step:
             out["steps"] = [s.to_dict() for s in self.steps]
@@ -154,6 +193,12 @@ def _spread(values: list[float]) -> dict[str, float]:
     return {"min": min(values), "median": float(statistics.median(values)), "max": max(values)}
 
 
+def _overlap_spread(ranks: tuple[RankReport, ...]) -> dict[str, float | None]:
+    """Min/median/max overlap % over the ranks that communicate; ``None`` each when none does."""
+    values = [r.overlap_pct for r in ranks if r.overlap_pct is not None]
+    return _spread(values) if values else {"min": None, "median": None, "max": None}  # type: ignore[arg-type]
+
+
 @dataclass(frozen=True)
 class RunSummary:
     """Across the ranks of one run.
@@ -164,6 +209,11 @@ class RunSummary:
     min/median/max across ranks of the rank totals; ``exposed_skew_us`` is max − min of
     exposed time; ``slowest_rank`` is the rank with the most compute (the one the others
     wait for) and ``most_exposed_rank`` the one that waits longest.
+
+    The cross-rank split (:mod:`cpdpkit.profiler.crossrank`) adds ``skew_us`` (waiting for the
+    last rank to arrive) and ``transfer_us`` (the rest of ``exposed_us``) to ``per_step``, and
+    ``stragglers``: ``{"rank", "late_count", "late_frac", "caused_wait_us_per_step"}`` per rank
+    that arrived last, worst first. Without the split those are ``None``.
     """
 
     num_ranks: int
@@ -172,13 +222,17 @@ class RunSummary:
     exposed_skew_us: float
     slowest_rank: int | None
     most_exposed_rank: int | None
+    stragglers: tuple[Mapping[str, Any], ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "per_step", _frozen_map(self.per_step))
+        if self.stragglers is not None:
+            object.__setattr__(self, "stragglers", tuple(_frozen_map(s) for s in self.stragglers))
         object.__setattr__(self, "spread", _frozen_map({k: _frozen_map(v) for k, v in self.spread.items()}))
 
     @property
-    def overlap_pct(self) -> float:
+    def overlap_pct(self) -> float | None:
+        """Hidden share of the per-step communication in %; ``None`` when no rank communicates."""
         return _pct(self.per_step.get("hidden_us", 0.0), self.per_step.get("comm_us", 0.0))
 
     def to_dict(self) -> dict[str, Any]:
@@ -190,6 +244,7 @@ class RunSummary:
             "exposed_skew_us": self.exposed_skew_us,
             "slowest_rank": self.slowest_rank,
             "most_exposed_rank": self.most_exposed_rank,
+            "stragglers": None if self.stragglers is None else [dict(s) for s in self.stragglers],
         }
 
 
@@ -211,14 +266,29 @@ def _rank_per_step(r: RankReport) -> dict[str, float]:
     }
 
 
-def summarize_ranks(ranks: tuple[RankReport, ...]) -> RunSummary:
-    """Cross-rank summary of one run."""
+def _rank_split_per_step(r: RankReport) -> tuple[float, float] | None:
+    """Per-step means of the rank's skew/transfer split; ``None`` when it was not made."""
+    steps = r.full_steps
+    if not steps:
+        return None if r.skew_us is None or r.transfer_us is None else (r.skew_us, r.transfer_us)
+    if any(s.skew_us is None or s.transfer_us is None for s in steps):
+        return None
+    return sum(s.skew_us for s in steps) / len(steps), sum(s.transfer_us for s in steps) / len(steps)  # type: ignore[misc]
+
+
+def summarize_ranks(ranks: tuple[RankReport, ...], *,
+                    stragglers: tuple[Mapping[str, Any], ...] | None = None) -> RunSummary:
+    """Cross-rank summary of one run (``stragglers`` from :func:`cpdpkit.profiler.crossrank.cross_rank`)."""
     if not ranks:
-        return RunSummary(0, {k: 0.0 for k in _PER_STEP_KEYS}, {}, 0.0, None, None)
+        return RunSummary(0, {**{k: 0.0 for k in _PER_STEP_KEYS}, "skew_us": None, "transfer_us": None},
+                          {}, 0.0, None, None)
     per_rank = [_rank_per_step(r) for r in ranks]
-    per_step = {k: statistics.fmean(p[k] for p in per_rank) for k in _PER_STEP_KEYS}
+    per_step: dict[str, Any] = {k: statistics.fmean(p[k] for p in per_rank) for k in _PER_STEP_KEYS}
+    splits = [_rank_split_per_step(r) for r in ranks]
+    for i, key in enumerate(("skew_us", "transfer_us")):
+        per_step[key] = None if None in splits else statistics.fmean(s[i] for s in splits)  # type: ignore[index]
     spread = {
-        key: _spread([getattr(r, key) for r in ranks])
+        key: _overlap_spread(ranks) if key == "overlap_pct" else _spread([getattr(r, key) for r in ranks])
         for key in ("compute_us", "comm_us", "exposed_us", "hidden_us", "overlap_pct")
     }
     spread["step_time_us"] = _spread([p["step_time_us"] for p in per_rank])
@@ -230,6 +300,7 @@ def summarize_ranks(ranks: tuple[RankReport, ...]) -> RunSummary:
         exposed_skew_us=max(exposed) - min(exposed),
         slowest_rank=max(ranks, key=lambda r: r.compute_us).rank,
         most_exposed_rank=max(ranks, key=lambda r: r.exposed_us).rank,
+        stragglers=stragglers,
     )
 
 

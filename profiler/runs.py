@@ -6,7 +6,9 @@ traces) with an optional ``run.json`` (strategy, period, topology, world size). 
 given to :func:`analyze` may be a run folder, a single trace file (a run of one rank), or a
 folder whose sub-folders are runs. Rank files are read one at a time and reduced to a
 :class:`RankReport` before the next is read, so memory holds one trace at a time. A bad
-file or folder becomes a :class:`TraceIssue` and never hides the other results.
+file or folder becomes a :class:`TraceIssue` and never hides the other results. Which rank a
+file holds (``distributedInfo``, run.json's ``"ranks"``, the file name), and the checks for
+traces of other runs and missing ranks, are in :mod:`cpdpkit.profiler._ranks`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Any
 
 import orjson
 
+from cpdpkit.profiler._ranks import RankHint, rank_hint, run_json_ranks, settle_ranks
+from cpdpkit.profiler.crossrank import cross_rank
 from cpdpkit.profiler.errors import TraceFileError
 from cpdpkit.profiler.overlap import analyze_trace
 from cpdpkit.profiler.report import OverlapReport, RankReport, RunReport, TraceIssue, summarize_ranks
@@ -100,20 +104,35 @@ def analyze_run(run_path: str, files: Sequence[str], *,
     except TraceFileError as exc:
         issues.append(TraceIssue(exc.path, str(exc)))
         info = {}
+    files = [os.fspath(f) for f in files]
+    run_json = os.path.join(folder, RUN_JSON)
+    rank_map, map_issues = run_json_ranks(info, run_json, files)
+    issues.extend(map_issues)
     ranks: list[RankReport] = []
+    hints: list[RankHint] = []
     for index, path in enumerate(files):
         try:
             trace = load_trace(path)
-            ranks.append(analyze_trace(trace, rank=trace.rank if trace.rank is not None else index))
+            hint = rank_hint(path, trace.meta, rank_map)
+            ranks.append(analyze_trace(trace, rank=hint.rank if hint.rank is not None else index))
+            hints.append(hint)
         except TraceFileError as exc:
             issues.append(TraceIssue(exc.path, str(exc)))
         except MemoryError:
             issues.append(TraceIssue(path, f"{path}: out of memory while reading the trace"))
         except Exception as exc:  # noqa: BLE001 - one bad file must not lose the other ranks
             issues.append(TraceIssue(path, f"{path}: cannot analyse the trace ({type(exc).__name__}: {exc})"))
+    loaded = {h.path for h in hints}
+    final, rank_issues = settle_ranks(hints, run_path=run_path, info=info, run_json=run_json,
+                                      failed=[p for p in files if p not in loaded], ranks=rank_map)
+    issues.extend(rank_issues)
+    ranks = [r if r.rank == final[r.path] else dataclasses.replace(r, rank=final[r.path])
+             for r in ranks if r.path in final]
     if not ranks:
         return None, issues
     ranks.sort(key=lambda r: (r.rank, r.path))
+    split, stragglers, split_issues = cross_rank(ranks, run_path)  # who waits for whom
+    issues.extend(split_issues)
     strategy = info.get("strategy") if isinstance(info.get("strategy"), str) else None
     default_name = os.path.basename(os.path.normpath(run_path))
     label = strategy
@@ -126,8 +145,8 @@ def analyze_run(run_path: str, files: Sequence[str], *,
         path=run_path,
         strategy=strategy,
         run_info=info,
-        ranks=tuple(ranks),
-        summary=summarize_ranks(tuple(ranks)),
+        ranks=split,
+        summary=summarize_ranks(split, stragglers=stragglers),
     )
     return report, issues
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import re
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +37,7 @@ from cpdpkit.profiler._reader import (
 from cpdpkit.profiler.classify import NameClass, canonical_kind, classify_name
 from cpdpkit.profiler.errors import TraceFileError
 
-__all__ = ["RankTrace", "load_trace", "rank_from_file_name"]
+__all__ = ["RankTrace", "load_trace", "rank_from_file_name", "rank_in_meta", "world_size_in_meta"]
 
 _NUMBER = (int, float)
 
@@ -48,7 +48,7 @@ class RankTrace:
 
     ``start_us``/``end_us`` are relative to ``origin_us`` (the earliest event start).
     ``comm_kind`` holds a canonical kind from the event's ``Collective name`` argument
-    (``""`` when absent) and ``pg_name`` its ``Process Group Name``, both only for
+    (``""`` when absent) and ``pg_name`` its ``Process Group Name`` (``comm_seq`` its ``Seq``), all only for
     communication events.
     """
 
@@ -70,6 +70,7 @@ class RankTrace:
     thread_names: dict[int, str]
     comm_kind: dict[int, str] = field(default_factory=dict)
     pg_name: dict[int, str] = field(default_factory=dict)
+    comm_seq: dict[int, int] = field(default_factory=dict)
 
     @property
     def num_events(self) -> int:
@@ -98,6 +99,7 @@ class _Columns:
         self.thread_labels: dict[tuple[Any, Any], str] = {}
         self.comm_kind: dict[int, str] = {}
         self.pg_name: dict[int, str] = {}
+        self.comm_seq: dict[int, int] = {}
         self.comm_nids: set[int] = set()  # names whose events' comm arguments are read
 
     def _bad(self, index: int, event: Any, problem: str) -> TraceFileError:
@@ -172,7 +174,7 @@ class _Columns:
             if nid in comm_nids:
                 args = b.args[i]
                 if args is not None:
-                    self._comm_args(row0 + i, args.collective, args.process_group)
+                    self._comm_args(row0 + i, args.collective, args.process_group, args.seq)
 
     def _add_checked(self, events: list[Any], first_index: int) -> None:  # noqa: C901 - hot loop
         name_ids, classes, cat_ids, thread_ids = self.name_ids, self.classes, self.cat_ids, self.thread_ids
@@ -225,7 +227,8 @@ class _Columns:
                 if type(c) is int:
                     corr = c
                 if classes[nid].reads_comm_args:
-                    self._comm_args(len(ts_a), args.get("Collective name"), args.get("Process Group Name"))
+                    self._comm_args(len(ts_a), args.get("Collective name"), args.get("Process Group Name"),
+                                    args.get("Seq"))
             ts_a.append(ts)
             dur_a.append(dur)
             nid_a.append(nid)
@@ -242,8 +245,12 @@ class _Columns:
         self._new_key(key)
         return tid
 
-    def _comm_args(self, row: int, coll: Any, pg: Any) -> None:
-        """Record a comm event's ``Collective name`` and ``Process Group Name`` arguments."""
+    def _comm_args(self, row: int, coll: Any, pg: Any, seq: Any = None) -> None:
+        """Record a comm event's ``Collective name``, ``Process Group Name`` and ``Seq`` arguments."""
+        if type(seq) is str and seq.isascii() and seq.isdigit():
+            seq = int(seq)
+        if type(seq) is int and seq >= 0:
+            self.comm_seq[row] = seq
         if isinstance(coll, str) and coll:
             self.comm_kind[row] = canonical_kind(coll)
         if isinstance(pg, (str, int)) and pg != "":
@@ -276,23 +283,44 @@ class _Columns:
             thread_names=thread_names,
             comm_kind=self.comm_kind,
             pg_name=self.pg_name,
+            comm_seq=self.comm_seq,
         )
 
 
-_RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
+# the first that matches names the rank: ``rank3``, ``rank-3``, ``x_rank_3_y``; else ``worker3``
+_RANK_IN_NAME = (re.compile(r"rank[-_]?(\d+)", re.IGNORECASE), re.compile(r"worker[-_]?(\d+)", re.IGNORECASE))
 
 
 def rank_from_file_name(path: str) -> int | None:
-    """``rank3.pt.trace.json`` / ``rank-3.json.gz`` -> 3; ``None`` when the name has no rank."""
-    m = _RANK_IN_NAME.search(os.path.basename(path))
-    return int(m.group(1)) if m else None
+    """``rank3.pt.trace.json`` / ``rank-3.json.gz`` / ``host_rank_3_1.pt.trace.json`` /
+    ``worker3.pt.trace.json`` -> 3; ``None`` when the file name has no rank."""
+    name = os.path.basename(path)
+    for pattern in _RANK_IN_NAME:
+        m = pattern.search(name)
+        if m:
+            return int(m.group(1))
+    return None
+
+
+def _distributed_int(meta: Mapping[str, Any], key: str, low: int) -> int | None:
+    info = meta.get("distributedInfo")
+    value = info.get(key) if isinstance(info, dict) else None
+    return value if type(value) is int and value >= low else None
+
+
+def rank_in_meta(meta: Mapping[str, Any]) -> int | None:
+    """The trace's own rank (``distributedInfo.rank``; any torch version that writes it), else ``None``."""
+    return _distributed_int(meta, "rank", 0)
+
+
+def world_size_in_meta(meta: Mapping[str, Any]) -> int | None:
+    """The trace's ``distributedInfo.world_size`` (absent in old-style ``{"rank": N}``), else ``None``."""
+    return _distributed_int(meta, "world_size", 1)
 
 
 def _rank_of(meta: dict[str, Any], path: str) -> int | None:
-    info = meta.get("distributedInfo")
-    if isinstance(info, dict) and type(info.get("rank")) is int:
-        return int(info["rank"])
-    return rank_from_file_name(path)
+    rank = rank_in_meta(meta)
+    return rank if rank is not None else rank_from_file_name(path)
 
 
 def load_trace(path: str | os.PathLike[str], *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> RankTrace:

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(60)
 HTA_TRACES = Path(__file__).resolve().parent / "data" / "hta"  # tools/build_fixtures.py
 COLUMNS = ("start_us", "end_us", "name_id", "cat_id", "thread_id", "stream", "correlation")
 FIELDS = ("path", "rank", "meta", "origin_us", "names", "name_classes", "cats", "threads", "thread_names",
-          "comm_kind", "pg_name")
+          "comm_kind", "pg_name", "comm_seq")
 
 
 def _load_both(path: Path, monkeypatch: pytest.MonkeyPatch, **kw):  # type: ignore[no-untyped-def]

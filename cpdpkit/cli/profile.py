@@ -4,13 +4,19 @@ Reads run folders (per-rank Kineto traces + ``run.json``) with :mod:`cpdpkit.pro
 prints one row per run (per-step means over complete steps and ranks), optionally a
 per-step table, a JSON file and a bar chart. Bad files are reported one line each; the
 other runs are still shown and written, and the exit code is 2.
+
+CI mode (``--baseline OLD --max-regression PCT``): every other run is compared with its
+baseline run (:mod:`cpdpkit.profiler.compare`); one line per regression and exit code 1, or
+one ``no regression`` line and 0. Input errors win: exit code 2 even with a regression.
 """
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.markup import escape
@@ -21,12 +27,21 @@ from cpdpkit.errors import ConfigError
 
 if TYPE_CHECKING:  # cpdpkit.profiler (numpy) loads when the command runs, not for every `cpdpkit --help`
     from cpdpkit.profiler import OverlapReport, RunReport, StepReport
+    from cpdpkit.profiler.compare import Comparison, RegressionCheck
 
-__all__ = ["profile", "render_summary_table", "render_step_table", "write_plot", "pick_baseline"]
+__all__ = ["profile", "render_summary_table", "render_step_table", "write_plot", "pick_baseline",
+           "resolve_baseline", "parse_max_regression", "regression_line", "no_regression_line"]
+
+EXIT_REGRESSION = 1
+NO_COMMUNICATION = "no communication"
 
 
 def _ms(us: float) -> str:
     return f"{us / 1e3:,.2f}"
+
+
+def _overlap(pct: float | None, none: str = NO_COMMUNICATION) -> str:
+    return none if pct is None else f"{pct:.1f}"
 
 
 def pick_baseline(report: OverlapReport, name: str | None) -> RunReport | None:
@@ -43,53 +58,144 @@ def pick_baseline(report: OverlapReport, name: str | None) -> RunReport | None:
     return None
 
 
+def _within(path: str, folder: str) -> bool:
+    inner, outer = os.path.realpath(path), os.path.realpath(folder)
+    return inner == outer or inner.startswith(outer.rstrip(os.sep) + os.sep)
+
+
+def resolve_baseline(report: OverlapReport, value: str | None) -> tuple[list[RunReport], OverlapReport | None]:
+    """The baseline runs, and the report of a baseline path analysed on its own (else ``None``).
+
+    ``value`` is, first that fits: a run's name (or strategy) among ``report``'s runs; a path
+    holding some of them (those runs); a run folder, trace file or folder of run folders,
+    analysed here. ``None``: the run named ``ddp``, if any.
+    """
+    if value is None:
+        run = pick_baseline(report, None)
+        return ([run] if run is not None else []), None
+    for run in report.runs:
+        if run.name == value or run.strategy == value:
+            return [run], None
+    if os.path.exists(value):
+        inside = [r for r in report.runs if _within(r.path, value)]
+        if inside:
+            return inside, None
+        from cpdpkit.profiler import analyze
+
+        base = analyze([value])
+        return list(base.runs), base
+    names = ", ".join(r.name for r in report.runs) or "(none loaded)"
+    raise ConfigError(f"--baseline {value!r} is not one of the runs: {names}, nor a file or folder; pass a "
+                      "run's name or the path of the baseline's traces (a run folder or trace file)")
+
+
+def parse_max_regression(text: str | None) -> float | None:
+    """``--max-regression``'s value as a percentage >= 0 (``10``, ``2.5``, ``10%``)."""
+    if text is None:
+        return None
+    try:
+        value = float(text.strip().removesuffix("%"))
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise ConfigError(f"--max-regression {text!r} is not a percentage >= 0; pass one such as 10 "
+                          "(exit 1 when exposed communication per step grows by more than 10 %)")
+    return value
+
+
 def _relative(run: RunReport, baseline: RunReport | None) -> str:
     if baseline is None:
         return "-"
-    base = baseline.summary.per_step["exposed_us"]
-    mine = run.summary.per_step["exposed_us"]
     if run is baseline:
         return "baseline"
+    base = baseline.summary.per_step["exposed_us"]
+    mine = run.summary.per_step["exposed_us"]
     if base <= 0:
         return "n/a"
     return f"{mine / base:.2f}× ({(mine - base) / base * 100:+.0f} %)"
 
 
-def render_summary_table(report: OverlapReport, baseline: RunReport | None) -> Table:
-    """One row per run: per-step means of step time, compute, comm, exposed, hidden."""
+def _names(report: OverlapReport, bases: Sequence[RunReport]) -> dict[int, str]:
+    """Run names for the tables: a baseline run named like another run gets `` (baseline)``."""
+    base_ids = {id(b) for b in bases}
+    new_names = {r.name for r in report.runs if id(r) not in base_ids}
+    return {id(r): f"{r.name} (baseline)" if id(r) in base_ids and r.name in new_names else r.name
+            for r in report.runs}
+
+
+def render_summary_table(report: OverlapReport, baseline: RunReport | Sequence[RunReport] | None,
+                         pairs: Sequence[tuple[RunReport, RunReport]] | None = None) -> Table:
+    """One row per run: per-step means of step time, compute, comm, exposed, hidden.
+
+    ``baseline``: the baseline run(s), marked ``baseline``; ``pairs``: (run, its baseline run)
+    for the last column (default: every run against the one baseline run).
+    """
+    bases = list(baseline) if isinstance(baseline, (list, tuple)) else ([baseline] if baseline is not None else [])
+    base_ids = {id(b) for b in bases}
+    if pairs is not None:
+        against = {id(run): base for run, base in pairs}
+    else:
+        against = {id(run): bases[0] for run in report.runs} if len(bases) == 1 else {}
+    names = _names(report, bases)
     title = "Communication per step (ms, mean over complete steps and ranks)"
     table = Table(title=title, title_justify="left")
     table.add_column("run")
     table.add_column("ranks", justify="right")
     table.add_column("mode")
-    for head in ("step", "compute", "comm", "exposed", "hidden", "overlap %"):
+    for head in ("step", "compute", "comm", "exposed", "skew", "transfer", "hidden", "overlap %"):
         table.add_column(head, justify="right")
-    table.add_column(f"exposed vs {baseline.name}" if baseline else "exposed vs baseline", justify="right")
+    table.add_column(f"exposed vs {bases[0].name}" if len(bases) == 1 else "exposed vs baseline", justify="right")
     for run in report.runs:
         p = run.summary.per_step
         modes = "/".join(sorted({r.mode for r in run.ranks}))
+        is_base = id(run) in base_ids
         table.add_row(
-            escape(run.name),
+            escape(names[id(run)]),
             str(run.summary.num_ranks),
             modes,
             _ms(p["step_time_us"]),
             _ms(p["compute_us"]),
             _ms(p["comm_us"]),
             _ms(p["exposed_us"]),
+            _ms_or_dash(p.get("skew_us")),
+            _ms_or_dash(p.get("transfer_us")),
             _ms(p["hidden_us"]),
-            f"{run.summary.overlap_pct:.1f}",
-            _relative(run, baseline),
+            _overlap(run.summary.overlap_pct),
+            "baseline" if is_base else _relative(run, against.get(id(run))),
         )
     return table
 
 
-def render_step_table(report: OverlapReport) -> Table:
+def _ms_or_dash(us: float | None) -> str:
+    return "-" if us is None else _ms(us)
+
+
+def straggler_lines(report: OverlapReport) -> list[str]:
+    """Per run with a cross-rank split: the worst straggler, or that none was found."""
+    lines = []
+    for run in report.runs:
+        stragglers = run.summary.stragglers
+        if stragglers is None:
+            continue  # no split (one rank, unmatched collectives, or clocks named in the errors)
+        if not stragglers:
+            lines.append(f"{run.name}: no straggler")
+            continue
+        s = stragglers[0]
+        lines.append(f"{run.name}: straggler rank {s['rank']} arrived last at {s['late_frac'] * 100:.0f} % of "
+                     f"collectives ({s['late_count']}); the others waited {_ms(s['caused_wait_us_per_step'])} "
+                     "ms/step for it")
+    return lines
+
+
+def render_step_table(report: OverlapReport, baseline: Sequence[RunReport] = ()) -> Table:
     """One row per run and ``ProfilerStep#N``: means over ranks, and the worst rank's exposed."""
+    names = _names(report, baseline)
     table = Table(title="Per step (ms, mean over ranks)", title_justify="left")
     for head, justify in (("run", "left"), ("step", "right"), ("duration", "right"), ("compute", "right"),
                           ("comm", "right"), ("exposed", "right"), ("hidden", "right"),
                           ("overlap %", "right"), ("max exposed (rank)", "right")):
         table.add_column(head, justify=justify)  # type: ignore[arg-type]
+    silent = False
     for run in report.runs:
         by_step: dict[int, list[tuple[int, StepReport]]] = {}
         for r in run.ranks:
@@ -101,11 +207,15 @@ def render_step_table(report: OverlapReport) -> Table:
             mean = {k: sum(getattr(s, k) for _, s in rows) / n
                     for k in ("duration_us", "compute_us", "comm_us", "exposed_us", "hidden_us")}
             worst_rank, worst = max(rows, key=lambda rs: rs[1].exposed_us)
-            overlap = 100 * mean["hidden_us"] / mean["comm_us"] if mean["comm_us"] > 0 else 0.0
+            overlap = 100 * mean["hidden_us"] / mean["comm_us"] if mean["comm_us"] > 0 else None
+            silent = silent or overlap is None
             partial = " (partial)" if any(s.partial for _, s in rows) else ""
-            table.add_row(escape(run.name), f"{num}{partial}", _ms(mean["duration_us"]), _ms(mean["compute_us"]),
+            table.add_row(escape(names[id(run)]), f"{num}{partial}", _ms(mean["duration_us"]), _ms(mean["compute_us"]),
                           _ms(mean["comm_us"]), _ms(mean["exposed_us"]), _ms(mean["hidden_us"]),
-                          f"{overlap:.1f}", f"{_ms(worst.exposed_us)} ({worst_rank})")
+                          _overlap(overlap, "-"), f"{_ms(worst.exposed_us)} ({worst_rank})")
+    if silent:
+        table.caption = f"overlap % '-': {NO_COMMUNICATION} in that step"
+        table.caption_justify = "left"
     return table
 
 
@@ -122,6 +232,9 @@ def write_plot(report: OverlapReport, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(names) + 2), 4))
     ax.bar(names, exposed, label="exposed", color="#d62728")
     ax.bar(names, hidden, bottom=exposed, label="hidden", color="#2ca02c")
+    for i, run in enumerate(report.runs):
+        if run.summary.overlap_pct is None:  # an empty bar would read as "all hidden" or "free"
+            ax.text(i, 0, NO_COMMUNICATION, ha="center", va="bottom", rotation=90, fontsize=8)
     ax.set_ylabel("communication per step (ms)")
     ax.set_title("Exposed vs hidden communication")
     ax.legend()
@@ -134,14 +247,76 @@ def write_plot(report: OverlapReport, path: Path) -> None:
         plt.close(fig)
 
 
-def _write_json(report: OverlapReport, path: Path, per_step: bool) -> None:
+def _write_json(data: dict[str, Any], path: Path) -> None:
     import orjson
 
-    data = orjson.dumps(report.to_dict(per_step=per_step), option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
+    encoded = orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
     try:
-        path.write_bytes(data + b"\n")
+        path.write_bytes(encoded + b"\n")
     except OSError as exc:
         raise ConfigError(f"--json {os.fspath(path)!r}: cannot write the file ({exc.strerror or exc})") from None
+
+
+def _report_dict(report: OverlapReport, per_step: bool, base_ids: set[int],
+                 check: RegressionCheck | None) -> dict[str, Any]:
+    data = report.to_dict(per_step=per_step)
+    for entry, run in zip(data["runs"], report.runs):
+        entry["baseline"] = id(run) in base_ids
+    data["regression"] = check.to_dict() if check is not None else None
+    return data
+
+
+def _ms_text(us: float) -> str:
+    ms = us / 1e3
+    return f"{ms:.1f} ms" if ms >= 1 else f"{ms:.3f} ms"
+
+
+def _where(c: Comparison) -> str:
+    return f"rank {c.rank}" if c.rank is not None else "mean over ranks"
+
+
+def regression_line(c: Comparison) -> str:
+    """``regression: exposed communication per step of run X (path) rank 1 grew 23.4 % over ...``."""
+    grew = f"grew {c.change_pct:.1f} %" if c.change_pct is not None else "grew from 0"
+    return (f"regression: exposed communication per step of run {c.run} ({c.run_path}) {_where(c)} {grew} "
+            f"over baseline {c.baseline} ({c.baseline_path}): {_ms_text(c.value_us)} vs "
+            f"{_ms_text(c.baseline_us)} (limit {c.max_regression_pct:g} %)")
+
+
+def no_regression_line(check: RegressionCheck) -> str:
+    """``no regression over baseline ddp (runs/old): ... (limit 10 %)``: the passing verdict."""
+    bases = dict.fromkeys(f"{c.baseline} ({c.baseline_path})" for c in check.comparisons)
+    runs = dict.fromkeys((c.run, c.run_path) for c in check.comparisons)
+    worst = max(check.comparisons, key=lambda c: c.change_pct or 0.0)
+    plural = "" if len(runs) == 1 else "s"
+    return (f"no regression over baseline {', '.join(bases)}: exposed communication per step of {len(runs)} "
+            f"run{plural}, largest change {worst.change_pct or 0.0:+.1f} % (run {worst.run} {_where(worst)}) "
+            f"(limit {check.max_regression_pct:g} %)")
+
+
+def _check(new: list[RunReport], bases: list[RunReport], limit: float | None,
+           baseline: str | None) -> tuple[list[tuple[RunReport, RunReport]], RegressionCheck | None, list[str]]:
+    """Pairs for the table, the regression check (with ``--max-regression``) and problems (exit 2)."""
+    from cpdpkit.profiler.compare import check_regression, pair_runs
+
+    if not bases:
+        if limit is None:
+            return [], None, []
+        if baseline is None:
+            return [], None, ["--max-regression needs a baseline: pass --baseline RUN or PATH (no run is named ddp)"]
+        return [], None, [f"--baseline {baseline!r}: no run could be analysed there, so there is nothing to "
+                          "compare with (its errors are above)"]
+    if limit is not None and not new:
+        names = ", ".join(f"{b.name} ({b.path})" for b in bases)
+        return [], None, [f"--max-regression: no run to compare with the baseline {names}; pass the new "
+                          "runs' folders as well"]
+    try:
+        pairs, notes = pair_runs(new, bases)
+    except ConfigError as exc:
+        return [], None, ([str(exc)] if limit is not None else [])
+    if limit is None:
+        return pairs, None, []
+    return pairs, check_regression(pairs, limit, notes=notes), []
 
 
 @app.command("profile")
@@ -150,24 +325,58 @@ def profile(
                                           "or folders of run folders.", show_default=False),
     json_path: Path | None = typer.Option(None, "--json", help="Write the full report as JSON here."),
     per_step: bool = typer.Option(False, "--per-step", help="Add a per-step table (and steps to the JSON)."),
-    baseline: str | None = typer.Option(None, "--baseline", help="Run to compare exposed time with "
-                                        "(default: the run named ddp, if any)."),
+    baseline: str | None = typer.Option(None, "--baseline", help="Run to compare with: a run's name among "
+                                        "RUN_DIRS, or a run folder, trace file or folder of runs analysed as the "
+                                        "baseline (default: the run named ddp, if any)."),
+    max_regression: str | None = typer.Option(None, "--max-regression", metavar="PCT", help="CI mode: exit 1 "
+                                              "when exposed communication per step (a run's mean over ranks, or "
+                                              "any rank's) grew by more than PCT % over its baseline run."),
     plot: Path | None = typer.Option(None, "--plot", help="Draw exposed vs hidden per run to this PNG."),
 ) -> None:
-    """Exposed vs hidden communication per run, from PyTorch profiler traces."""
-    from cpdpkit.profiler import analyze
+    """Exposed vs hidden communication per run, from PyTorch profiler traces.
 
+    Each run is compared with its baseline run: the same-named one (strategy label) when the
+    baseline has it, else the baseline's only run.
+
+    Exit codes: 0 fine; 1 a regression beyond --max-regression; 2 bad input (unreadable
+    traces, traces of another run, missing ranks, bad options), also when there is a
+    regression too. Everything that could be analysed is still shown and written.
+    """
+    from cpdpkit.profiler import OverlapReport, analyze
+
+    limit = parse_max_regression(max_regression)
     report = analyze(run_dirs)
-    if report.runs:
-        base = pick_baseline(report, baseline)
-        out_console.print(render_summary_table(report, base))
+    bases, base_report = resolve_baseline(report, baseline)
+    base_ids = {id(b) for b in bases}
+    shown = OverlapReport(
+        runs=(*(base_report.runs if base_report else ()), *report.runs),
+        errors=(*report.errors, *(base_report.errors if base_report else ())),
+    )
+    new = [r for r in report.runs if id(r) not in base_ids]
+    pairs, check, problems = _check(new, bases, limit, baseline)
+    if shown.runs:
+        out_console.print(render_summary_table(shown, bases, pairs))
         if per_step:
-            out_console.print(render_step_table(report))
+            out_console.print(render_step_table(shown, bases))
+        for line in straggler_lines(shown):
+            out_console.print(escape(line), soft_wrap=True, highlight=False)
     if json_path is not None:
-        _write_json(report, json_path, per_step)
-    if plot is not None and report.runs:
-        write_plot(report, plot)
-    for issue in report.errors:
+        _write_json(_report_dict(shown, per_step, base_ids, check), json_path)
+    if plot is not None and shown.runs:
+        write_plot(shown, plot)
+    for issue in shown.errors:
         err_console.print(f"[bold red]error:[/bold red] {escape(issue.error)}", soft_wrap=True)
-    if report.errors or not report.runs:
+    for problem in problems:
+        err_console.print(f"[bold red]error:[/bold red] {escape(problem)}", soft_wrap=True)
+    if check is not None:
+        for note in check.notes:
+            err_console.print(f"[yellow]note:[/yellow] {escape(note)}", soft_wrap=True)
+        for c in check.regressions:
+            line = regression_line(c).removeprefix("regression: ")
+            err_console.print(f"[bold red]regression:[/bold red] {escape(line)}", soft_wrap=True)
+        if check.passed:
+            out_console.print(escape(no_regression_line(check)), soft_wrap=True)
+    if shown.errors or problems or not report.runs:
         raise typer.Exit(EXIT_USER_ERROR)
+    if check is not None and not check.passed:
+        raise typer.Exit(EXIT_REGRESSION)
