@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cpdpkit.labels import format_ranks
 from cpdpkit.profiler.report import TraceIssue
 from cpdpkit.profiler.trace import rank_from_file_name, rank_in_meta, world_size_in_meta
 
@@ -81,16 +82,7 @@ def rank_hint(path: str, meta: Mapping[str, Any], ranks: Mapping[str, int]) -> R
 
 def ranks_text(ranks: Sequence[int]) -> str:
     """``[3]`` -> ``rank 3``; ``[1, 3, 5, 6, 7]`` -> ``ranks 1, 3, 5-7``."""
-    parts: list[str] = []
-    values = sorted(ranks)
-    i = 0
-    while i < len(values):
-        j = i
-        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
-            j += 1
-        parts.append(str(values[i]) if i == j else f"{values[i]}-{values[j]}")
-        i = j + 1
-    return ("rank " if len(values) == 1 else "ranks ") + ", ".join(parts)
+    return ("rank " if len(set(ranks)) == 1 else "ranks ") + format_ranks(ranks).replace(",", ", ")
 
 
 def _world_size(hints: Sequence[RankHint], declared: int | None) -> int | None:

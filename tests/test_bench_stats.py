@@ -4,7 +4,6 @@ optimizer options, and the LR schedules (one small 2-rank check that every strat
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import warnings
@@ -15,6 +14,7 @@ import torch
 from rich.console import Console
 from torch import nn
 
+from _docs_tables import docs_tables as load_docs_tables
 from cpdpkit.bench.config import BenchConfig, RunSpec
 from cpdpkit.bench.report import aggregate, paired_difference, significant, t_quantile_975
 from cpdpkit.bench.strategies import StrategyRunner, build_lr_scheduler
@@ -22,14 +22,6 @@ from cpdpkit.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _docs_tables():
-    spec = importlib.util.spec_from_file_location("docs_tables", ROOT / "tools" / "docs_tables.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 # ---- the t quantile and the paired interval -------------------------------------------------------
@@ -158,7 +150,7 @@ def test_cli_table_marks_significant_differences():
 def test_docs_table_shows_the_same_cells(tmp_path):
     from cpdpkit.cli.bench import _row
 
-    docs_tables = _docs_tables()
+    docs_tables = load_docs_tables()
     report = aggregate({**_CONFIG, "strategies": ["ddp", "cpdp", "slowmo"], "periods": [4]}, _three_seeds())
     assert docs_tables.main_rows(json.loads(json.dumps(report.to_dict()))) == [_row(r) for r in report.results]
     path = tmp_path / "bench.json"
@@ -169,7 +161,7 @@ def test_docs_table_shows_the_same_cells(tmp_path):
 
 
 def test_docs_tables_defaults_are_bench_configs():
-    docs_tables = _docs_tables()
+    docs_tables = load_docs_tables()
     config = BenchConfig().to_dict()
     # every option but --quick (which the command spells out) must be there, or its value gets lost
     assert set(config) - set(docs_tables.MAIN_DEFAULTS) == {"quick"}

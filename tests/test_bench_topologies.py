@@ -5,7 +5,6 @@ and tools/docs_tables.py print them."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import io
 import json
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from _docs_tables import docs_tables as load_docs_tables
 from cpdpkit.bench.config import BenchConfig, RunSpec
 from cpdpkit.bench.goals import best_fixed_period, k_over_time_lines, overlap_and_auto_goals
 from cpdpkit.bench.report import aggregate
@@ -20,14 +20,6 @@ from cpdpkit.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _docs_tables():
-    spec = importlib.util.spec_from_file_location("docs_tables", ROOT / "tools" / "docs_tables.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 # ---- BenchConfig ---------------------------------------------------------------------------------
@@ -79,7 +71,8 @@ def test_runs_cover_each_topology_and_carry_the_new_options():
     # a spec.json from before these options still loads
     old = {k: v for k, v in runs[0].to_dict().items()
            if k not in ("overlap_steps", "target_exposed_frac", "k_min", "k_max", "max_divergence", "topology")}
-    assert RunSpec.from_dict(old).topology is None and RunSpec.from_dict(old).overlap_steps == BenchConfig().overlap_steps
+    loaded = RunSpec.from_dict(old)
+    assert loaded.topology is None and loaded.overlap_steps == BenchConfig().overlap_steps
 
 
 def test_run_folders_name_the_topology_only_when_there_are_several(tmp_path):
@@ -275,7 +268,7 @@ def test_cli_prints_a_table_per_topology_then_k_over_time_and_goals(monkeypatch)
 
 
 def test_docs_tables_renders_each_topology_and_the_goals(tmp_path):
-    docs_tables = _docs_tables()
+    docs_tables = load_docs_tables()
     path = tmp_path / "bench.json"
     report = _goal_report()
     report["config"] = {**BenchConfig(topologies=("wan", "lan")).to_dict(), "seeds": 1}
@@ -295,7 +288,7 @@ def test_docs_tables_renders_each_topology_and_the_goals(tmp_path):
 
 
 def test_docs_tables_renders_json_from_before_topologies(tmp_path):
-    docs_tables = _docs_tables()
+    docs_tables = load_docs_tables()
     runs = [_run("ddp", None, 0, 0.50, 10.0, topology=None), _run("cpdp", 4, 0, 0.53, 5.0, topology=None)]
     report = aggregate({**_CONFIG, "topology": "lan", "topologies": None}, runs).to_dict()
     for r in report["results"]:
