@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-from pathlib import Path
 
 import pytest
 from rich.console import Console
