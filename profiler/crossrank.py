@@ -46,7 +46,8 @@ the split (``skew_us``/``transfer_us``/``stragglers`` are ``None``).
 ``[a_r, min(last, end of its extent)]``, and its skew there is the exposed part of that
 window, ``|window ∖ compute_r|``. For a blocking collective (all of it exposed) that is
 ``min(exposed, last − a_r)``; a wait hidden under compute (an async collective issued early)
-is no skew. Per rank ``skew_us = |∪ windows ∖ compute|`` over its matched collectives, so
+is no skew (on CPU traces, where only the training thread's blocked time is exposed, the
+skew is ``|window ∩ blocked_r|``). Per rank ``skew_us = |∪ windows ∖ compute|`` over its matched collectives, so
 concurrent collectives are not counted twice and ``skew_us ≤ exposed_us``; the same over the
 collectives of one kind (``skew_by_kind``) and of one step (``StepReport.skew_us``, at most the
 step's ``exposed_us``). ``transfer_us = exposed_us − skew_us``.
@@ -100,7 +101,8 @@ class RankCollectives:
     ``arrival_us`` and ``extent_end_us`` are on the rank's trace clock (``RankTrace.start_us``);
     the wall clock is ``base_ns / 1000 + origin_us + arrival_us`` when ``wall_clock``. ``pg`` is
     the process group (``None``: unknown, not matched), ``seq`` the ``Seq`` argument (-1: none),
-    ``step`` the ``ProfilerStep`` number (-1: outside every step), ``compute`` the rank's compute.
+    ``step`` the ``ProfilerStep`` number (-1: outside every step), ``compute`` the rank's compute,
+    ``blocked`` (CPU traces) the training thread's blocked time: there only that is exposed.
     """
 
     wall_clock: bool
@@ -113,6 +115,7 @@ class RankCollectives:
     arrival_us: np.ndarray
     extent_end_us: np.ndarray
     compute: iv.Intervals
+    blocked: iv.Intervals | None = None
 
     def __len__(self) -> int:
         return int(self.arrival_us.shape[0])
@@ -165,6 +168,7 @@ def rank_collectives(
     groups: Mapping[str, Any],
     steps: Sequence[tuple[int, float, float]],
     anchor_us: np.ndarray,
+    blocked: iv.Intervals | None = None,
 ) -> RankCollectives:
     """One rank's collectives from the overlap analysis' comm entries: ``rows`` (trace rows;
     on CPU a collective's row is listed first as itself, then once per wait gap attributed to
@@ -205,6 +209,7 @@ def rank_collectives(
         arrival_us=starts[own][order],
         extent_end_us=extent_end[order],
         compute=compute,
+        blocked=blocked,
     )
 
 
@@ -306,8 +311,11 @@ def _windows(m: _Matches, cols: Sequence[RankCollectives], offsets: Sequence[flo
 
 
 def _skew_us(c: RankCollectives, hi: np.ndarray, sel: np.ndarray) -> float:
-    """``|∪ skew windows ∖ compute|`` over the collectives ``sel``."""
-    return iv.total_us(iv.subtract(iv.merge(c.arrival_us[sel], hi[sel]), c.compute))
+    """``|∪ skew windows ∖ compute|`` (CPU: ``∩ blocked``) over the collectives ``sel``."""
+    windows = iv.merge(c.arrival_us[sel], hi[sel])
+    if c.blocked is not None:
+        return iv.total_us(iv.intersect(windows, c.blocked))
+    return iv.total_us(iv.subtract(windows, c.compute))
 
 
 def _split(skew: float, exposed: float) -> tuple[float, float]:
@@ -383,7 +391,8 @@ def cross_rank(
                                                   "(skew_us, transfer_us, stragglers) is left out")]
     his = _windows(m, cols, offsets)
     # each matched collective's own skew, |window ∖ compute|, for who caused it
-    own = [(hi - c.arrival_us) - iv.measure_in_windows(c.compute, c.arrival_us, hi) for c, hi in zip(cols, his)]
+    own = [iv.measure_in_windows(c.blocked, c.arrival_us, hi) if c.blocked is not None
+           else (hi - c.arrival_us) - iv.measure_in_windows(c.compute, c.arrival_us, hi) for c, hi in zip(cols, his)]
     skew = np.array([own[i][j] for i, j in zip(m.rank_pos.tolist(), m.row.tolist())], dtype=float)
     split = tuple(_split_rank(r, c, hi) for r, c, hi in zip(ranks, cols, his))
     return split, _stragglers(m, np.maximum(skew, 0.0), ranks, cols), []

@@ -18,21 +18,34 @@ to whole microseconds, and with two or more steps only work launched before the 
 with ``partial`` set). Per step, a kernel belongs to the ``ProfilerStep#N`` in
 which its CUDA launch ran (matched by correlation id), since GPU work lags the CPU.
 
-CPU traces: comm = every interval in which a collective is in flight or being issued:
-``gloo:*`` ops on gloo's worker threads, ``cpdpkit::emu::*`` modeled link time, and, on
-any thread, the c10d call sites (``c10d::*``, ``record_param_comms``) and
-cpdpkit communication phases (:mod:`cpdpkit.labels`). Compute = the *training thread* (the one that holds the
-``ProfilerStep#N`` markers; else the thread with most ``cpu_op`` time) — the union of its
-``cpu_op`` events that are not communication, minus the intervals of its c10d call sites
-and communication phases (ops nested in one are part of communicating, not compute).
-``Work.wait()`` leaves no event, so waits are read from the gaps between the training
-thread's events: a gap in which a collective completes is a wait and counts as
-communication (of that collective's kind) for its whole length; other gaps shorter than
-``IDLE_GAP_US`` are Python/dispatch overhead and count as compute; longer ones are idle
-(a descheduled thread looks the same as a waiting one: on a busy CPU, communication threads
-taking the cores from compute is exposed cost too). Per step, intervals are clipped to the
-``ProfilerStep#N`` window. Slices by kind, process group and tier are each merged on
-their own, so slices may overlap in time and need not sum to the total.
+CPU traces: exposed = the time the *training thread* (the one that holds the
+``ProfilerStep#N`` markers; else the thread with most ``cpu_op`` time) is blocked in
+communication, and nothing else:
+
+* its collective calls — c10d call sites (``c10d::*``, ``record_param_comms``) and cpdpkit
+  communication phases (:mod:`cpdpkit.labels`) — for their whole span (descheduled inside
+  one, the thread is still in the call);
+* its waits. ``Work.wait()`` leaves no event, so waits are read from the gaps between the
+  thread's events: a gap in which a collective completes (a ``gloo:*`` op on gloo's worker
+  threads, or ``cpdpkit::emu::*`` modeled link time, ends in it or up to ``WAIT_SLACK_US``
+  after it) is a wait from its start until the last such completion plus ``WAIT_SLACK_US``
+  (the waiter's wake-up), attributed to the first collective completing in it. The rest of
+  the gap — the thread waiting for a core after the collective woke it, or running Python
+  after ``wait()`` returned (freeing tensors, say) — is not communication; a trace cannot
+  tell those two apart. A wait whose gap ends inside an emulated link (a ``cpdpkit::emu::*``
+  event) lasts to the gap's end: the waiter sleeps to the modeled end itself, and the
+  emulator's event may close milliseconds later (its Python helper thread waits for the GIL).
+
+Compute = the training thread's ``cpu_op`` events that are not communication, plus gaps
+between its events shorter than ``IDLE_GAP_US`` that are no wait (Python/dispatch overhead),
+minus its call sites and phases (ops nested in one are part of communicating). Longer gaps
+are idle: neither compute nor exposed. comm = communication in flight (the ``gloo:*``/emu
+spans, any thread's call sites and phases, the waits) while the thread computes or is
+blocked, so comm = exposed + hidden: a gloo span's time while the thread is idle (between
+steps, descheduled, in Python), or spent queued before gloo's worker picks it up (the span
+starts when the worker runs it, pytorch PR 61342), is neither. Per step, intervals are
+clipped to the ``ProfilerStep#N`` window. Slices by kind, process group and tier are each
+merged on their own, so slices may overlap in time and need not sum to the total.
 """
 
 from __future__ import annotations
@@ -63,7 +76,8 @@ _INFLIGHT_ROLES = frozenset({"backend", "emu"})
 # (compute); longer ones are idle: waiting when a collective is in flight
 IDLE_GAP_US = 100.0
 # a collective that completes this long after the training thread resumed still ended its
-# wait (the worker's profiler event closes just after it wakes the waiter)
+# wait (the worker's profiler event closes just after it wakes the waiter); and a wait ends at
+# most this long after the last collective completing in it (the waiter's wake-up)
 WAIT_SLACK_US = 100.0
 # the last step is "partial" (left open by trace_rank at exit) when shorter than this share
 # of the median complete step
@@ -160,9 +174,14 @@ def _labels(trace: RankTrace, rows: np.ndarray, groups: Mapping[str, Mapping[str
     return pgs, tiers
 
 
-def _split(starts: np.ndarray, ends: np.ndarray,
-           compute: iv.Intervals) -> tuple[iv.Intervals, iv.Intervals, iv.Intervals]:
+def _split(starts: np.ndarray, ends: np.ndarray, compute: iv.Intervals,
+           keep: iv.Intervals | None = None) -> tuple[iv.Intervals, iv.Intervals, iv.Intervals]:
+    """(comm, exposed, hidden) of the intervals; with ``keep`` (CPU mode: the training thread's
+    compute and blocked time) communication outside ``keep`` is dropped, so exposed is what
+    the thread was blocked in."""
     comm = iv.merge(starts, ends)
+    if keep is not None:
+        comm = iv.intersect(comm, keep)
     return comm, iv.subtract(comm, compute), iv.intersect(comm, compute)
 
 
@@ -171,12 +190,12 @@ def _totals(comm: iv.Intervals, exposed: iv.Intervals, hidden: iv.Intervals) -> 
 
 
 def _grouped(labels: Iterable[Any], starts: np.ndarray, ends: np.ndarray,
-             compute: iv.Intervals) -> dict[str, CommTotals]:
+             compute: iv.Intervals, keep: iv.Intervals | None = None) -> dict[str, CommTotals]:
     labels = np.asarray(list(labels), dtype=object)
     out: dict[str, CommTotals] = {}
     for label in sorted({x for x in labels.tolist() if x is not None}):
         sel = labels == label
-        out[str(label)] = _totals(*_split(starts[sel], ends[sel], compute))
+        out[str(label)] = _totals(*_split(starts[sel], ends[sel], compute, keep))
     return out
 
 
@@ -274,19 +293,34 @@ def _steps_gpu(
     return out
 
 
+def _waits(g0: np.ndarray, g1: np.ndarray, done: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Which of the training thread's gaps ``[g0, g1]`` are waits, where each wait ends, and the
+    index in ``done`` (sorted completion times of in-flight collectives) of the first collective
+    completing in it (the one the wait is attributed to). A gap is a wait when a collective
+    completes in it (or up to ``WAIT_SLACK_US`` after it); the wait lasts until the last such
+    completion plus ``WAIT_SLACK_US`` (the waiter's wake-up), at most to the gap's end."""
+    if not done.size:
+        return np.zeros(g0.size, dtype=bool), g1, np.zeros(g0.size, dtype=np.int64)
+    k = np.minimum(np.searchsorted(done, g0, side="left"), done.size - 1)
+    completes = (done[k] >= g0) & (done[k] <= g1 + WAIT_SLACK_US)
+    last = done[np.maximum(np.searchsorted(done, g1 + WAIT_SLACK_US, side="right") - 1, 0)]
+    return completes, np.where(completes, np.clip(last + WAIT_SLACK_US, g0, g1), g1), k
+
+
 def _cpu_timeline(
     trace: RankTrace, thread: int | None, role: Any
-) -> tuple[iv.Intervals, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The training thread's compute, its waits as ``(starts, ends, collective_rows)``, and
-    the sorted start times of its ops.
+) -> tuple[iv.Intervals, iv.Intervals, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The training thread's compute, its blocked time (call sites, sync phases and waits),
+    its waits as ``(starts, ends, collective_rows)``, and the sorted start times of its ops.
 
     Compute is the thread's ops plus the short gaps between them (Python and dispatch
     overhead), minus its communication call sites and sync phases. A gap in which a
-    collective completes is a wait (attributed to that collective); any other gap of
-    ``IDLE_GAP_US`` or more is idle (neither compute nor a wait)."""
+    collective completes starts with a wait (:func:`_waits`); what is left of it, and any
+    other gap, is overhead when shorter than ``IDLE_GAP_US``, else idle (neither compute nor
+    blocked)."""
     none = np.empty(0, dtype=np.float64)
     if thread is None:
-        return iv.EMPTY, none, none, np.empty(0, dtype=np.int64), none
+        return iv.EMPTY, iv.EMPTY, none, none, np.empty(0, dtype=np.int64), none
     on_thread = (trace.thread_id == thread) & (trace.stream == -1)
     is_op = _is_cpu_op(trace)
     ops = np.flatnonzero(on_thread & is_op & role({"cpu"}))
@@ -303,17 +337,24 @@ def _cpu_timeline(
         g0, g1 = active.ends[:-1], active.starts[1:]
         inflight = np.flatnonzero(role(_INFLIGHT_ROLES))
         inflight = inflight[np.argsort(e[inflight], kind="stable")]
-        done = e[inflight]
-        k = np.minimum(np.searchsorted(done, g0, side="left"), max(done.size - 1, 0))
-        if done.size:
-            completes = (done[k] >= g0) & (done[k] <= g1 + WAIT_SLACK_US)
-        else:
-            completes = np.zeros(g0.size, dtype=bool)
-        overhead = (g1 - g0 < IDLE_GAP_US) & ~completes
-        active = iv.union(active, iv.Intervals(g0[overhead], g1[overhead]))
-        wait_s, wait_e, wait_rows = g0[completes], g1[completes], inflight[k[completes]]
+        completes, wait_end, k = _waits(g0, g1, e[inflight])
+        # a thread waiting on an emulated collective sleeps to its modeled end itself, while
+        # the emulator's event may close milliseconds later (its Python helper thread waits
+        # for the GIL): a wait whose gap ends inside an emulated link lasts to the gap's end
+        emu = np.flatnonzero(role({"emu"}))
+        links = iv.merge(s[emu], e[emu])
+        at = np.searchsorted(links.starts, g1, side="left") - 1
+        in_link = (at >= 0) & (links.ends[np.maximum(at, 0)] > g1) if len(links) else np.zeros(g1.size, dtype=bool)
+        wait_end = np.where(completes & in_link, g1, wait_end)
+        # what follows a wait's end in its gap (Python after wait(): freeing tensors, the next
+        # call; or the thread descheduled) is a gap of its own: overhead when short, else idle
+        rest = np.where(completes, wait_end, g0)
+        overhead = (g1 - rest < IDLE_GAP_US) & (g1 > rest)
+        active = iv.union(active, iv.Intervals(rest[overhead], g1[overhead]))
+        wait_s, wait_e, wait_rows = g0[completes], wait_end[completes], inflight[k[completes]]
     op_starts = np.sort(np.concatenate([s[ops], s[comm_here]]))
-    return iv.subtract(active, blocked), wait_s, wait_e, wait_rows, op_starts
+    blocked = iv.union(blocked, iv.merge(wait_s, wait_e))
+    return iv.subtract(active, blocked), blocked, wait_s, wait_e, wait_rows, op_starts
 
 
 def _whole_us(trace: RankTrace, on_gpu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -345,19 +386,20 @@ def _gpu_analysis(trace, steps, on_gpu, gpu_comm, gpu_compute, role):  # type: i
 
 
 def _cpu_analysis(trace, steps, thread, role):  # type: ignore[no-untyped-def]
-    """CPU mode: (label rows, their kinds, comm starts, comm ends, compute, step reports)."""
-    compute, wait_s, wait_e, wait_rows, op_starts = _cpu_timeline(trace, thread, role)
+    """CPU mode: (label rows, their kinds, comm starts, comm ends, compute, blocked, step reports)."""
+    compute, blocked, wait_s, wait_e, wait_rows, op_starts = _cpu_timeline(trace, thread, role)
+    keep = iv.union(compute, blocked)
     rows = np.flatnonzero(role(_CPU_COMM_ROLES))
     label_rows = np.concatenate([rows, wait_rows])
     cs = np.concatenate([trace.start_us[rows], wait_s])
     ce = np.concatenate([trace.end_us[rows], wait_e])
     kinds = _kinds_of(trace, label_rows)
-    sets: dict[str | None, Any] = {None: _split(cs, ce, compute)}
+    sets: dict[str | None, Any] = {None: _split(cs, ce, compute, keep)}
     for kind in sorted(set(kinds.tolist())):
         sel = kinds == kind
-        sets[kind] = _split(cs[sel], ce[sel], compute)
+        sets[kind] = _split(cs[sel], ce[sel], compute, keep)
     step_reports = _steps_cpu(steps, compute, sets, op_starts) if steps else []
-    return label_rows, kinds, cs, ce, compute, step_reports
+    return label_rows, kinds, cs, ce, compute, blocked, step_reports
 
 
 def analyze_trace(trace: RankTrace, *, rank: int | None = None) -> RankReport:
@@ -374,13 +416,15 @@ def analyze_trace(trace: RankTrace, *, rank: int | None = None) -> RankReport:
     step_rows = np.flatnonzero(is_step & ~on_gpu)
     thread = _training_thread(trace, ~on_gpu, step_rows)
     steps = _steps(trace, thread, step_rows)
+    blocked: iv.Intervals | None = None  # GPU mode: exposed is comm outside compute
     if mode == "gpu":
         rows, kinds, cs, ce, compute, step_reports = _gpu_analysis(trace, steps, on_gpu, gpu_comm, gpu_compute, role)
     else:
-        rows, kinds, cs, ce, compute, step_reports = _cpu_analysis(trace, steps, thread, role)
+        rows, kinds, cs, ce, compute, blocked, step_reports = _cpu_analysis(trace, steps, thread, role)
+    keep = None if blocked is None else iv.union(compute, blocked)
     groups = _process_groups(trace)
     pgs, tiers = _labels(trace, rows, groups)
-    total = _totals(*_split(cs, ce, compute))
+    total = _totals(*_split(cs, ce, compute, keep))
     span = float(trace.end_us.max() - trace.start_us.min()) if trace.num_events else 0.0
     return RankReport(
         rank=rank if rank is not None else (trace.rank if trace.rank is not None else 0),
@@ -391,11 +435,11 @@ def analyze_trace(trace: RankTrace, *, rank: int | None = None) -> RankReport:
         comm_us=total.comm_us,
         exposed_us=total.exposed_us,
         hidden_us=total.hidden_us,
-        by_kind=_grouped(kinds, cs, ce, compute),
-        by_process_group=_grouped(pgs, cs, ce, compute),
-        by_tier=_grouped(tiers, cs, ce, compute),
+        by_kind=_grouped(kinds, cs, ce, compute, keep),
+        by_process_group=_grouped(pgs, cs, ce, compute, keep),
+        by_tier=_grouped(tiers, cs, ce, compute, keep),
         steps=tuple(step_reports),
         process_groups=groups,
         collectives=rank_collectives(trace, rows, kinds, cs, ce, compute, pgs=pgs, groups=groups, steps=steps,
-                                     anchor_us=_launch_us(trace, rows)[0]),  # for crossrank.cross_rank
+                                     anchor_us=_launch_us(trace, rows)[0], blocked=blocked),  # for crossrank
     )

@@ -1,8 +1,10 @@
 """CPU ground truth: 2 gloo ranks, async all-reduce, chosen compute, timed wait.
 
-The exposed communication of a step is the time the training thread spends in the
-all-reduce call plus the ``wait()`` the script times; the profiler must land within 10 %
-or 1.5 ms of it on every step (one fully exposed, one mostly exposed, fully hidden ones).
+The exposed communication of a step is the time the training thread is blocked in
+communication: in the all-reduce call, and in the ``wait()`` until the collective completed
+(the script times both and subtracts the wait's run-queue time: see the worker's docstring).
+The profiler must land within max(5 %, 0.5 ms) of it on every step of every rank (one fully
+exposed, one mostly exposed, fully hidden ones), on the first try.
 """
 
 from __future__ import annotations
@@ -41,36 +43,31 @@ def _run(tmp_path: Path) -> Path:
     return out
 
 
-def _mismatches(out: Path) -> tuple[list[str], list[str]]:
+def _mismatches(out: Path) -> tuple[list[str], list[str], list[float]]:
     report = analyze([out])
     assert not report.errors, report.errors
     (run,) = report.runs
     assert [r.rank for r in run.ranks] == [0, 1] and all(r.mode == "cpu" for r in run.ranks)
-    bad, lines = [], []
+    bad, lines, exposed = [], [], []
     for rank in run.ranks:
         truth = json.loads(Path(f"{out}.truth-rank{rank.rank}.json").read_text())
         steps = {s.step: s for s in rank.steps}
         assert sorted(int(k) for k in truth) == sorted(s.step for s in rank.steps if not s.partial)
         for key, t in truth.items():
-            want = t["launch_us"] + t["wait_us"]
+            want = t["blocked_us"]
             got = steps[int(key)].exposed_us
-            line = f"rank {rank.rank} step {key}: truth {want:.0f} us, profiler {got:.0f} us"
+            exposed.append(got)
+            line = (f"rank {rank.rank} step {key}: truth {want:.0f} us, profiler {got:.0f} us (call "
+                    f"{t['launch_us']:.0f} us, wait {t['wait_us']:.0f} us, runnable {t['wait_runnable_us']:.0f} us)")
             lines.append(line)
-            if abs(got - want) > max(0.10 * want, 1500.0):
-                bad.append(line + f" (descheduled {t['descheduled_us']:.0f} us)")
-    return bad, lines
+            if abs(got - want) > max(0.05 * want, 500.0):
+                bad.append(line)
+    return bad, lines, exposed
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_exposed_matches_timed_waits(tmp_path: Path) -> None:
-    # A training thread descheduled between two ops, or right after its wait (other
-    # processes on a small machine), is indistinguishable from one that waits, and it
-    # inflates the script's timed wait: allow up to three attempts before calling it a failure.
-    for attempt in range(3):
-        bad, lines = _mismatches(_run(tmp_path / f"attempt{attempt}"))
-        if not bad:
-            break
+    bad, lines, exposed = _mismatches(_run(tmp_path))
     assert not bad, "\n".join(["mismatches:", *bad, "all steps:", *lines])
-    exposed = [float(line.rsplit("profiler ", 1)[1].split()[0]) for line in lines]
     assert max(exposed) > 3000 and min(exposed) < max(exposed) / 4  # it spans exposed and hidden steps

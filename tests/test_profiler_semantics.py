@@ -51,8 +51,40 @@ def test_idle_gap_without_completion_is_not_a_wait(tmp_path: Path) -> None:
         cpu_op("aten::mm", 1000, 1000),  # collective ends at 1500, under this op
     ])
     r = _rank(tmp_path, doc)
-    # comm 0-1500; compute 10-500, 1000-2000 -> exposed 0-10 and 500-1000
-    assert (r.comm_us, r.exposed_us, r.hidden_us) == (1500, 510, 990)
+    # blocked 0-10 (the call); compute 10-500, 1000-2000 -> hidden 10-500 and 1000-1500; the
+    # collective in flight over the idle gap 500-1000 is neither exposed nor hidden
+    assert (r.comm_us, r.exposed_us, r.hidden_us) == (1000, 10, 990)
+
+
+def test_wait_ends_when_the_collective_completes(tmp_path: Path) -> None:
+    # the thread resumes 1.4 ms after the collective completed (Python after wait(), or
+    # waiting for a core): only the wait until the completion (+ WAIT_SLACK_US) is exposed
+    doc = trace_doc([
+        step(0, 0, 3000),
+        cpu_op("c10d::allreduce_", 0, 10),
+        annotation("gloo:all_reduce", 20, 980, tid=GLOO),
+        cpu_op("aten::mm", 10, 190),
+        cpu_op("aten::add", 2500, 500),
+    ])
+    r = _rank(tmp_path, doc)
+    # blocked 0-10 and 200-1100; hidden 20-200; 1100-2500 idle
+    assert (r.comm_us, r.exposed_us, r.hidden_us, r.compute_us) == (1090, 910, 180, 690)
+    assert r.steps[0].exposed_us == 910
+
+
+def test_wait_on_an_emulated_link_lasts_to_the_resume(tmp_path: Path) -> None:
+    # the real op ends early; the thread sleeps to the modeled end and resumes at 2500, while
+    # the emulator's event closes late (2600): the whole gap is the wait
+    doc = trace_doc([
+        step(0, 0, 3000),
+        cpu_op("c10d::allreduce_", 0, 10),
+        annotation("gloo:all_reduce", 20, 280, tid=GLOO),
+        annotation("cpdpkit::emu::all_reduce[bytes=1024,tier=WAN,ranks=0-1,modeled_us=2480.0]", 20, 2580, tid=300),
+        cpu_op("aten::mm", 10, 190),
+        cpu_op("aten::add", 2500, 500),
+    ])
+    r = _rank(tmp_path, doc)
+    assert r.exposed_us == 10 + 2300
 
 
 def test_emulated_link_time_tiers_and_groups(tmp_path: Path) -> None:
@@ -124,7 +156,8 @@ def test_training_thread_without_steps_is_the_busiest(tmp_path: Path) -> None:
         cpu_op("aten::zero_", 0, 5, tid=400),
     ])
     r = _rank(tmp_path, doc)
-    assert (r.comm_us, r.hidden_us, r.exposed_us) == (100, 50, 50) and r.steps == ()
+    # hidden under the busiest thread's mm; 100-150 the thread has no event (no wait seen)
+    assert (r.comm_us, r.hidden_us, r.exposed_us) == (50, 50, 0) and r.steps == ()
 
 
 def test_run_folders_names_and_summary(tmp_path: Path) -> None:
