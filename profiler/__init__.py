@@ -32,6 +32,7 @@ from cpdpkit.profiler.report import (
     StepReport,
     TraceIssue,
     WaitSplit,
+    WhatIf,
 )
 from cpdpkit.profiler.runs import analyze, analyze_run, expand_paths, find_trace_files, read_run_info
 from cpdpkit.profiler.trace import RankTrace, load_trace
@@ -52,6 +53,7 @@ __all__ = [
     "CommTotals",
     "TraceIssue",
     "WaitSplit",
+    "WhatIf",
     "RankTrace",
     "Intervals",
     "KINDS",

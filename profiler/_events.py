@@ -37,6 +37,11 @@ class Args(msgspec.Struct, gc=False):
     collective: Any = msgspec.field(default=None, name="Collective name")
     process_group: Any = msgspec.field(default=None, name="Process Group Name")
     seq: Any = msgspec.field(default=None, name="Seq")
+    in_nelems: Any = msgspec.field(default=None, name="In msg nelems")
+    out_nelems: Any = msgspec.field(default=None, name="Out msg nelems")
+    dtype: Any = None
+    pg_ranks: Any = msgspec.field(default=None, name="Process Group Ranks")
+    group_size: Any = msgspec.field(default=None, name="Group size")
     name: Any = None
 
 

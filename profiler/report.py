@@ -2,7 +2,7 @@
 
 ``OverlapReport.to_dict()`` produces::
 
-    {"runs": [{"name", "path", "strategy", "run_info", "summary",
+    {"runs": [{"name", "path", "strategy", "run_info", "summary", "what_if",
                "ranks": [{"rank", "path", "mode", "comm_us", "exposed_us", "hidden_us",
                           "compute_us", "overlap_pct", "by_kind", "by_process_group",
                           "by_tier", "skew_us", "transfer_us", "skew_by_kind",
@@ -29,6 +29,7 @@ __all__ = [
     "RunSummary",
     "RunReport",
     "TraceIssue",
+    "WhatIf",
     "OverlapReport",
     "summarize_ranks",
 ]
@@ -316,8 +317,26 @@ class TraceIssue:
 
 
 @dataclass(frozen=True)
+class WhatIf:
+    """The run's step predicted on another topology (:mod:`cpdpkit.profiler.whatif`): per-step
+    means over complete steps and ranks, as ``RunSummary.per_step``; ``unmodeled_collectives``
+    counts the collectives that kept their measured duration (bytes or group unknown)."""
+
+    topology: str
+    step_time_us: float
+    exposed_us: float
+    unmodeled_collectives: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"topology": self.topology,
+                "per_step": {"step_time_us": self.step_time_us, "exposed_us": self.exposed_us},
+                "unmodeled_collectives": self.unmodeled_collectives}
+
+
+@dataclass(frozen=True)
 class RunReport:
-    """One run folder (or a single trace file): its ranks and their cross-rank summary."""
+    """One run folder (or a single trace file): its ranks and their cross-rank summary;
+    ``what_if`` only when asked (``analyze(..., what_if=TOPOLOGY)``)."""
 
     name: str
     path: str
@@ -325,6 +344,7 @@ class RunReport:
     run_info: Mapping[str, Any]
     ranks: tuple[RankReport, ...]
     summary: RunSummary
+    what_if: WhatIf | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "run_info", _frozen_map(self.run_info))
@@ -337,6 +357,7 @@ class RunReport:
             "run_info": dict(self.run_info),
             "summary": self.summary.to_dict(),
             "ranks": [r.to_dict(per_step=per_step) for r in self.ranks],
+            "what_if": self.what_if.to_dict() if self.what_if is not None else None,
         }
 
 

@@ -25,7 +25,8 @@ from cpdpkit.profiler.crossrank import cross_rank
 from cpdpkit.profiler.errors import TraceFileError
 from cpdpkit.profiler.overlap import analyze_trace
 from cpdpkit.profiler.report import OverlapReport, RankReport, RunReport, TraceIssue, summarize_ranks
-from cpdpkit.profiler.trace import load_trace
+from cpdpkit.profiler.trace import load_trace, world_size_in_meta
+from cpdpkit.profiler.whatif import RankTimeline, predict_run, rank_timeline
 
 __all__ = ["RUN_JSON", "find_trace_files", "read_run_info", "analyze_run", "analyze", "expand_paths"]
 
@@ -94,9 +95,30 @@ def expand_paths(paths: Iterable[str | os.PathLike[str]]) -> tuple[list[tuple[st
     return runs, issues
 
 
-def analyze_run(run_path: str, files: Sequence[str], *,
-                name: str | None = None) -> tuple[RunReport | None, list[TraceIssue]]:
-    """Analyse one run's rank files; a run whose every file fails is ``None``."""
+def _with_what_if(report: RunReport, timelines: dict[str, RankTimeline], spec: str,
+                  world_sizes: list[int]) -> tuple[RunReport, list[TraceIssue]]:
+    """``report`` with its step predicted on the topology ``spec`` (:mod:`cpdpkit.profiler.whatif`).
+
+    World size: run.json's ``world_size``, else the traces' most common one, else the highest
+    rank + 1. A topology that cannot be placed at that size is one issue, and no prediction."""
+    from cpdpkit.errors import TopologyError
+    from cpdpkit.topology import resolve_topology
+
+    size = report.run_info.get("world_size")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        size = max(set(world_sizes), key=world_sizes.count) if world_sizes else max(r.rank for r in report.ranks) + 1
+    try:
+        topology = resolve_topology(spec, world_size=size)
+    except TopologyError as exc:
+        return report, [TraceIssue(report.path, f"{report.path}: --what-if {spec}: {exc}")]
+    mine = [timelines[r.path] for r in report.ranks if r.path in timelines]
+    return dataclasses.replace(report, what_if=predict_run(mine, topology, name=spec, world_size=size)), []
+
+
+def analyze_run(run_path: str, files: Sequence[str], *, name: str | None = None,
+                what_if: str | None = None) -> tuple[RunReport | None, list[TraceIssue]]:
+    """Analyse one run's rank files; a run whose every file fails is ``None``. ``what_if``: a
+    topology (preset name or TOML path) to predict the run's step on (``RunReport.what_if``)."""
     issues: list[TraceIssue] = []
     folder = run_path if os.path.isdir(run_path) else os.path.dirname(run_path) or "."
     try:
@@ -110,11 +132,16 @@ def analyze_run(run_path: str, files: Sequence[str], *,
     issues.extend(map_issues)
     ranks: list[RankReport] = []
     hints: list[RankHint] = []
+    timelines: dict[str, RankTimeline] = {}  # what-if input, read while each trace is loaded
+    world_sizes: list[int] = []
     for index, path in enumerate(files):
         try:
             trace = load_trace(path)
             hint = rank_hint(path, trace.meta, rank_map)
             ranks.append(analyze_trace(trace, rank=hint.rank if hint.rank is not None else index))
+            if what_if is not None:
+                timelines[ranks[-1].path] = rank_timeline(trace, ranks[-1])
+                world_sizes.extend(w for w in [world_size_in_meta(trace.meta)] if w is not None)
             hints.append(hint)
         except TraceFileError as exc:
             issues.append(TraceIssue(exc.path, str(exc)))
@@ -148,21 +175,32 @@ def analyze_run(run_path: str, files: Sequence[str], *,
         ranks=split,
         summary=summarize_ranks(split, stragglers=stragglers),
     )
+    if what_if is not None:
+        report, what_if_issues = _with_what_if(report, timelines, what_if, world_sizes)
+        issues.extend(what_if_issues)
     return report, issues
 
 
-def analyze(paths: Iterable[str | os.PathLike[str]]) -> OverlapReport:
+def analyze(paths: Iterable[str | os.PathLike[str]], *, what_if: str | None = None) -> OverlapReport:
     """Analyse run folders, trace files, or folders of run folders into one report.
+
+    ``what_if``: a topology (preset name or TOML path) on which to predict each run's step
+    (``RunReport.what_if``); an unknown one raises :class:`~cpdpkit.errors.TopologyError`
+    before any trace is read.
 
     Run names are the ``strategy`` from ``run.json`` (with ``K=<period>`` when it names one,
     except for ddp), else the folder name; a repeated name gets the folder appended
     (``ddp (runs/b)``).
     """
+    if what_if is not None:
+        from cpdpkit.topology import resolve_topology
+
+        resolve_topology(what_if)  # fail fast, in one line, on a name that is no topology
     runs, issues = expand_paths(paths)
     reports: list[RunReport] = []
     seen: set[str] = set()
     for run_path, files in runs:
-        report, run_issues = analyze_run(run_path, files)
+        report, run_issues = analyze_run(run_path, files, what_if=what_if)
         issues.extend(run_issues)
         if report is None:
             continue

@@ -48,7 +48,10 @@ class RankTrace:
 
     ``start_us``/``end_us`` are relative to ``origin_us`` (the earliest event start).
     ``comm_kind`` holds a canonical kind from the event's ``Collective name`` argument
-    (``""`` when absent) and ``pg_name`` its ``Process Group Name`` (``comm_seq`` its ``Seq``), all only for
+    (``""`` when absent) and ``pg_name`` its ``Process Group Name`` (``comm_seq`` its ``Seq``;
+    ``comm_bytes`` its input and output bytes, ``In msg nelems``/``Out msg nelems`` × the size of its
+    ``dtype``; ``comm_ranks`` its group's ranks, ``Process Group Ranks``, or ``Group size`` ranks
+    from 0 when that is the world size), all only for
     communication events.
     """
 
@@ -71,6 +74,8 @@ class RankTrace:
     comm_kind: dict[int, str] = field(default_factory=dict)
     pg_name: dict[int, str] = field(default_factory=dict)
     comm_seq: dict[int, int] = field(default_factory=dict)
+    comm_bytes: dict[int, tuple[int, int]] = field(default_factory=dict)
+    comm_ranks: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def num_events(self) -> int:
@@ -100,6 +105,7 @@ class _Columns:
         self.comm_kind: dict[int, str] = {}
         self.pg_name: dict[int, str] = {}
         self.comm_seq: dict[int, int] = {}
+        self.comm_sizes: dict[int, tuple[Any, ...]] = {}  # raw size arguments, read in finish()
         self.comm_nids: set[int] = set()  # names whose events' comm arguments are read
 
     def _bad(self, index: int, event: Any, problem: str) -> TraceFileError:
@@ -175,6 +181,9 @@ class _Columns:
                 args = b.args[i]
                 if args is not None:
                     self._comm_args(row0 + i, args.collective, args.process_group, args.seq)
+                    sizes = (args.in_nelems, args.out_nelems, args.dtype, args.pg_ranks, args.group_size)
+                    if sizes != (None,) * 5:
+                        self.comm_sizes[row0 + i] = sizes
 
     def _add_checked(self, events: list[Any], first_index: int) -> None:  # noqa: C901 - hot loop
         name_ids, classes, cat_ids, thread_ids = self.name_ids, self.classes, self.cat_ids, self.thread_ids
@@ -229,6 +238,9 @@ class _Columns:
                 if classes[nid].reads_comm_args:
                     self._comm_args(len(ts_a), args.get("Collective name"), args.get("Process Group Name"),
                                     args.get("Seq"))
+                    sizes = tuple(args.get(k) for k in _SIZE_ARGS)
+                    if sizes != (None,) * 5:
+                        self.comm_sizes[len(ts_a)] = sizes
             ts_a.append(ts)
             dur_a.append(dur)
             nid_a.append(nid)
@@ -284,6 +296,7 @@ class _Columns:
             comm_kind=self.comm_kind,
             pg_name=self.pg_name,
             comm_seq=self.comm_seq,
+            **_comm_sizes(self.comm_sizes, world_size_in_meta(meta)),
         )
 
 
@@ -311,6 +324,45 @@ def _distributed_int(meta: Mapping[str, Any], key: str, low: int) -> int | None:
 def rank_in_meta(meta: Mapping[str, Any]) -> int | None:
     """The trace's own rank (``distributedInfo.rank``; any torch version that writes it), else ``None``."""
     return _distributed_int(meta, "rank", 0)
+
+
+_SIZE_ARGS = ("In msg nelems", "Out msg nelems", "dtype", "Process Group Ranks", "Group size")
+# bytes per element of the dtypes torch writes in NCCL kernel arguments
+_DTYPE_BYTES = {"Double": 8, "Long": 8, "ComplexFloat": 8, "Float": 4, "Int": 4, "Half": 2, "BFloat16": 2,
+                "Short": 2, "Byte": 1, "Char": 1, "Bool": 1, "Float8_e4m3fn": 1, "Float8_e5m2": 1}
+
+
+def _int_arg(value: Any) -> int | None:
+    if type(value) is str and value.isascii() and value.isdigit():
+        value = int(value)
+    return value if type(value) is int and value >= 0 else None
+
+
+def _ranks_arg(value: Any) -> tuple[int, ...] | None:
+    if isinstance(value, str):
+        parts = value.strip().strip("[]").replace(" ", "").split(",")
+        value = [int(p) for p in parts] if all(p.isascii() and p.isdigit() for p in parts) else None
+    if isinstance(value, list) and value and all(type(r) is int and r >= 0 for r in value):
+        return tuple(value)
+    return None
+
+
+def _comm_sizes(raw: Mapping[int, tuple[Any, ...]], world_size: int | None) -> dict[str, dict]:
+    """``comm_bytes`` and ``comm_ranks`` from the raw ``_SIZE_ARGS`` of each comm row."""
+    comm_bytes: dict[int, tuple[int, int]] = {}
+    comm_ranks: dict[int, tuple[int, ...]] = {}
+    for row, (n_in, n_out, dtype, ranks, size) in raw.items():
+        n_in, n_out = _int_arg(n_in), _int_arg(n_out)
+        width = _DTYPE_BYTES.get(dtype) if isinstance(dtype, str) else None
+        if width is not None and (n_in is not None or n_out is not None):
+            n_in = n_in if n_in is not None else n_out
+            comm_bytes[row] = (n_in * width, (n_out if n_out is not None else n_in) * width)  # type: ignore[operator]
+        group = _ranks_arg(ranks)
+        if group is None and _int_arg(size) is not None and _int_arg(size) == world_size:
+            group = tuple(range(world_size))  # type: ignore[arg-type]
+        if group is not None:
+            comm_ranks[row] = group
+    return {"comm_bytes": comm_bytes, "comm_ranks": comm_ranks}
 
 
 def world_size_in_meta(meta: Mapping[str, Any]) -> int | None:

@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # cpdpkit.profiler (numpy) loads when the command runs, not f
     from cpdpkit.profiler.compare import Comparison, RegressionCheck
 
 __all__ = ["profile", "render_summary_table", "render_step_table", "write_plot", "pick_baseline",
-           "resolve_baseline", "parse_max_regression", "regression_line", "no_regression_line"]
+           "resolve_baseline", "parse_max_regression", "regression_line", "no_regression_line", "what_if_lines"]
 
 EXIT_REGRESSION = 1
 NO_COMMUNICATION = "no communication"
@@ -187,6 +187,24 @@ def straggler_lines(report: OverlapReport) -> list[str]:
     return lines
 
 
+def what_if_lines(report: OverlapReport) -> list[str]:
+    """Per run with a prediction: ``what-if cpdp K=4 on wan: step 21.1 -> 35.2 ms, exposed 11.3 ->
+    24.0 ms (per step, measured -> predicted)``, and how many collectives kept their measured time."""
+    lines = []
+    for run in report.runs:
+        w = run.what_if
+        if w is None:
+            continue
+        p = run.summary.per_step
+        line = (f"what-if {run.name} on {w.topology}: step {p['step_time_us'] / 1e3:.1f} -> "
+                f"{w.step_time_us / 1e3:.1f} ms, exposed {p['exposed_us'] / 1e3:.1f} -> {w.exposed_us / 1e3:.1f} ms "
+                "(per step, measured -> predicted)")
+        if w.unmodeled_collectives:
+            line += f"; {w.unmodeled_collectives} collectives of unknown size kept their measured time"
+        lines.append(line)
+    return lines
+
+
 def render_step_table(report: OverlapReport, baseline: Sequence[RunReport] = ()) -> Table:
     """One row per run and ``ProfilerStep#N``: means over ranks, and the worst rank's exposed."""
     names = _names(report, baseline)
@@ -332,6 +350,9 @@ def profile(
                                               "when exposed communication per step (a run's mean over ranks, or "
                                               "any rank's) grew by more than PCT % over its baseline run."),
     plot: Path | None = typer.Option(None, "--plot", help="Draw exposed vs hidden per run to this PNG."),
+    what_if: str | None = typer.Option(None, "--what-if", metavar="TOPOLOGY", help="Predict each run's step on "
+                                       "this topology (a preset name or a TOML file): every collective re-timed "
+                                       "by the network model, measured compute and order kept."),
 ) -> None:
     """Exposed vs hidden communication per run, from PyTorch profiler traces.
 
@@ -345,7 +366,7 @@ def profile(
     from cpdpkit.profiler import OverlapReport, analyze
 
     limit = parse_max_regression(max_regression)
-    report = analyze(run_dirs)
+    report = analyze(run_dirs, what_if=what_if)
     bases, base_report = resolve_baseline(report, baseline)
     base_ids = {id(b) for b in bases}
     shown = OverlapReport(
@@ -356,6 +377,8 @@ def profile(
     pairs, check, problems = _check(new, bases, limit, baseline)
     if shown.runs:
         out_console.print(render_summary_table(shown, bases, pairs))
+        for line in what_if_lines(shown):
+            out_console.print(escape(line), soft_wrap=True, highlight=False)
         if per_step:
             out_console.print(render_step_table(shown, bases))
         for line in straggler_lines(shown):
