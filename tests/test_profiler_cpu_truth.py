@@ -10,12 +10,11 @@ exposed, one mostly exposed, fully hidden ones), on the first try.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from _script_ranks import run_script_ranks
 from cpdpkit.profiler import analyze
 
 WORKER = Path(__file__).with_name("_profiler_cpu_workload.py")
@@ -24,23 +23,7 @@ NUMEL = 4_000_000  # 16 MB: about 10-25 ms per all-reduce on loopback
 
 
 def _run(tmp_path: Path) -> Path:
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    out = tmp_path / "run"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(rank), "2", str(tmp_path / "store"), str(out), str(NUMEL), COMPUTE_MS],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for rank in range(2)
-    ]
-    try:
-        logs = [p.communicate(timeout=100)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
-    return out
+    return run_script_ranks(WORKER, tmp_path, str(NUMEL), COMPUTE_MS)
 
 
 def _mismatches(out: Path) -> tuple[list[str], list[str], list[float]]:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from _script_ranks import run_script_ranks
 from _trace_builder import GLOO, annotation, cpu_op, kernel, launch, step, trace_doc, write_trace
 from cpdpkit.profiler import analyze
 from cpdpkit.profiler.crossrank import LATE_MARGIN_US, MAX_CLOCK_OFFSET_US
@@ -213,22 +212,7 @@ REAL_STEPS = 5
 def test_real_gloo_straggler(tmp_path: Path) -> None:
     """2 gloo ranks, rank 1 sleeps 30 ms before each all-reduce: rank 1 is the straggler and
     rank 0 waits for it 30 ms ± 10 % per step."""
-    out = tmp_path / "run"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(rank), "2", str(tmp_path / "store"), str(out), "1", str(DELAY_MS),
-             str(REAL_STEPS)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for rank in range(2)
-    ]
-    try:
-        logs = [p.communicate(timeout=50)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
+    out = run_script_ranks(WORKER, tmp_path, "1", str(DELAY_MS), str(REAL_STEPS), timeout_s=50)
     report = analyze([out])
     assert not report.errors, report.errors
     (run,) = report.runs
