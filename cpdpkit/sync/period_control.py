@@ -165,10 +165,6 @@ class PeriodSchedule:
             return StepKind.WARMUP
         return StepKind.RECONCILE if n == self.last_reconcile + self.gap else StepKind.LOCAL
 
-    @property
-    def next_reconcile(self) -> int:
-        return self.last_reconcile + self.gap
-
     def reconciled(self, n: int) -> None:
         self.last_reconcile, self.gap = n, self.period
 
