@@ -127,7 +127,7 @@ def test_an_unwritable_json_path_is_refused_before_any_run(command, tmp_path):
     assert text.startswith(f"error: --json {bad}: cannot create its folder") and len(text.splitlines()) == 1, text
     assert not (tmp_path / "w").exists()  # nothing launched
     made = tmp_path / "new" / "dir" / "out.json"
-    from cpdpkit.cli.app import prepare_output
+    from cpdpkit.cli._app import prepare_output
 
     prepare_output(str(made), "--json")  # a folder that does not exist yet is made
     assert made.parent.is_dir()

@@ -1,19 +1,37 @@
-"""The ``cpdpkit`` command line (typer). Each command lives in its own module."""
+"""The ``cpdpkit`` command line (typer). Each command lives in its own module.
+
+:func:`main` runs a plain ``cpdpkit profile ...`` without importing typer or rich
+(:mod:`cpdpkit.cli._fast_profile`); everything else goes through the typer :data:`app`,
+which loads on first use (``from cpdpkit.cli import app`` still works).
+"""
 
 from __future__ import annotations
 
-from cpdpkit.cli.app import app
-
-# Importing a command module registers its command on ``app``.
-from cpdpkit.cli import launch as _launch  # noqa: F401,E402
-from cpdpkit.cli import topology as _topology  # noqa: F401,E402
-from cpdpkit.cli import profile as _profile  # noqa: F401,E402
-from cpdpkit.cli import plan as _plan  # noqa: F401,E402
-from cpdpkit.cli import bench as _bench  # noqa: F401,E402
+import sys
+from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["app", "main"]
 
 
-def main() -> None:
+def __getattr__(name: str) -> Any:
+    if name == "app":
+        from cpdpkit.cli._app import app  # registers every command
+
+        return app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
     """Console-script entry point."""
-    app()
+    from cpdpkit.cli._fast_profile import try_profile
+
+    code = try_profile(sys.argv[1:] if argv is None else argv)
+    if code is not None:
+        raise SystemExit(code)
+    from cpdpkit.cli._app import app
+
+    if argv is None:
+        app()
+    else:
+        app(args=list(argv), prog_name="cpdpkit")

@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cpdpkit.cli.app import out_console, prepare_output
+from cpdpkit.cli._app import out_console, prepare_output
 
 if TYPE_CHECKING:
     from rich.table import Table

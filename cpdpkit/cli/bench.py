@@ -22,9 +22,9 @@ import typer
 from rich.markup import escape
 from typer.core import TyperGroup
 
+from cpdpkit.cli._app import app, err_console, out_console, prepare_output
 from cpdpkit.cli._bench_plot import plot_accuracy_vs_wall
 from cpdpkit.cli._bench_sharding import run_sharding_suite, sharding_config
-from cpdpkit.cli.app import app, err_console, out_console, prepare_output
 from cpdpkit.errors import ConfigError
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 from rich.markup import escape
 
-from cpdpkit.cli.app import app, err_console, out_console
+from cpdpkit.cli._app import app, err_console, out_console
 
 __all__ = ["launch_command"]
 

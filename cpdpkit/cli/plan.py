@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import typer
 from rich.table import Table
 
-from cpdpkit.cli.app import app, out_console
+from cpdpkit.cli._app import app, out_console
 from cpdpkit.errors import ConfigError
 
 if TYPE_CHECKING:  # cpdpkit.planner (numpy) loads when the command runs, not for every `cpdpkit --help`

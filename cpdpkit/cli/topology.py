@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import typer
 from rich.table import Table
 
-from cpdpkit.cli.app import app, out_console
+from cpdpkit.cli._app import app, out_console
 
 if TYPE_CHECKING:  # cpdpkit.topology loads when the command runs, not for every `cpdpkit --help`
     from cpdpkit.topology import Tier, Topology
