@@ -230,7 +230,7 @@ def test_real_gloo_straggler(tmp_path: Path) -> None:
 def test_cli_prints_skew_transfer_and_the_straggler(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from cpdpkit.cli._app import app
+    from cpdpkit.cli import app
 
     run_dir = _write_run(tmp_path / "gloo", [_cpu_rank(r, late=2) for r in range(3)])
     result = CliRunner().invoke(app, ["profile", str(run_dir)], env={"COLUMNS": "200"})

@@ -16,7 +16,12 @@ __all__ = ["app", "main"]
 
 def __getattr__(name: str) -> Any:
     if name == "app":
-        from cpdpkit.cli._app import app  # registers every command
+        from cpdpkit.cli._app import app
+
+        # Importing a command module registers its command on ``app``, in this order (``cpdpkit --help``).
+        # isort: off
+        from cpdpkit.cli import launch, topology, profile, plan, bench  # noqa: F401
+        # isort: on
 
         return app
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -29,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     code = try_profile(sys.argv[1:] if argv is None else argv)
     if code is not None:
         raise SystemExit(code)
-    from cpdpkit.cli._app import app
+    from cpdpkit.cli import app
 
     if argv is None:
         app()

@@ -1,4 +1,4 @@
-"""The typer application object and its error policy; importing it registers every command.
+"""The typer application object and its error policy (``cpdpkit.cli.app`` registers the commands).
 
 Each command lives in its own module under ``cpdpkit/cli/`` and registers itself on
 :data:`app`. A :class:`~cpdpkit.errors.CpdpkitError` raised by any command becomes one red
@@ -76,12 +76,3 @@ def _root(
 ) -> None:
     ctx.obj = {"debug": debug}
 
-
-# Importing a command module registers its command on ``app``, in this order (``cpdpkit --help``).
-# isort: off
-from cpdpkit.cli import launch as _launch  # noqa: F401,E402
-from cpdpkit.cli import topology as _topology  # noqa: F401,E402
-from cpdpkit.cli import profile as _profile  # noqa: F401,E402
-from cpdpkit.cli import plan as _plan  # noqa: F401,E402
-from cpdpkit.cli import bench as _bench  # noqa: F401,E402
-# isort: on
