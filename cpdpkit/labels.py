@@ -84,6 +84,7 @@ class _SyncPhases:
     PARAM_AVERAGE_WAIT = Phase("sync", "param_average_wait", "all_reduce")  # overlap_steps >= 1: waiting to apply it
     BUFFER_SYNC = Phase("sync", "buffer_sync", "broadcast")
     STATE_SYNC = Phase("sync", "state_sync", "all_reduce")  # optimizer_state="average"
+    REPLICA_CHECK = Phase("sync", "replica_check", "all_reduce")  # check_replicas=True: checksums, MAX over ranks
     SLOWMO_UPDATE = Phase("sync", "slowmo_update", None)  # local arithmetic after the average
     PERIOD_DECISION = Phase("sync", "period_decision", None)  # period="auto": the next K, details in [...]
 

@@ -17,6 +17,10 @@ Single-node runs use torchrun's ``--standalone`` rendezvous (a free port, never 
 ``nnodes``/``node_rank``/``rdzv_*``/``master_*`` pass through for real multi-node runs. Rank
 stdout goes to the console (and to the log folder); rank stderr goes only to the log folder, so
 a failure shows as one line plus the failing rank's last traceback lines, not a wall of text.
+
+``max_restarts`` is torchrun's: a failed rank makes torch elastic restart every rank, up to that
+many times (a script resumes with :class:`cpdpkit.checkpoint.Checkpointer`); ``LaunchResult.restarts``
+says how many restarts happened.
 """
 
 from __future__ import annotations
@@ -83,8 +87,9 @@ class LaunchConfig:
             raise ConfigError(f"nnodes = {self.nnodes!r} is invalid; use N or MIN:MAX, e.g. '2' or '1:4'")
         if self.master_port is not None and not (0 <= self.master_port <= 65535):
             raise ConfigError(f"master_port = {self.master_port!r} is invalid; use 0-65535 (0 picks a free port)")
-        if self.max_restarts < 0:
-            raise ConfigError(f"max_restarts = {self.max_restarts!r} is invalid; use 0 or more")
+        if not isinstance(self.max_restarts, int) or isinstance(self.max_restarts, bool) or self.max_restarts < 0:
+            raise ConfigError(f"max_restarts = {self.max_restarts!r} is invalid; use a whole number >= 0 "
+                              "(0: a failed rank ends the job)")
 
     @property
     def is_single_node(self) -> bool:
@@ -115,6 +120,7 @@ class LaunchResult:
     traceback_tail: tuple[str, ...] = ()
     trace_files: tuple[str, ...] = ()
     py_spy_files: tuple[str, ...] = ()
+    restarts: int = 0  # times torch elastic restarted the ranks (``max_restarts``); counted from the log folder
 
     @property
     def ok(self) -> bool:
@@ -167,16 +173,24 @@ def torchrun_args(config: LaunchConfig, script: str, args: Sequence[str], *, log
     return [*out, "--", script, *args]
 
 
+# torch elastic (2.13) shares its rendezvous TCPStore with the ranks and keeps it across restarts, so a
+# restarted rank reads the previous attempt's keys (a dead peer's gloo address: "connectFullMesh failed
+# ... Connection refused"). With sharing off each attempt's rank 0 hosts a fresh store.
+_NO_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
 @contextmanager
-def _launch_environment(topology: str | None) -> Iterator[None]:
-    """Set CPDPKIT_TOPOLOGY for the ranks and quiet torch elastic's own logging meanwhile."""
-    saved = os.environ.get(TOPOLOGY_ENV)
+def _launch_environment(topology: str | None, max_restarts: int = 0) -> Iterator[None]:
+    """Set CPDPKIT_TOPOLOGY (and, with restarts, a fresh store per attempt) for the ranks; quiet elastic's logs."""
+    saved = {name: os.environ.get(name) for name in (TOPOLOGY_ENV, _NO_SHARED_STORE)}
     loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.distributed.run")]
     levels = [lg.level for lg in loggers]
     if topology is None:
         os.environ.pop(TOPOLOGY_ENV, None)
     else:
         os.environ[TOPOLOGY_ENV] = topology
+    if max_restarts > 0:
+        os.environ[_NO_SHARED_STORE] = "1"
     for lg in loggers:
         lg.setLevel(logging.CRITICAL)
     try:
@@ -184,10 +198,11 @@ def _launch_environment(topology: str | None) -> Iterator[None]:
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
-        if saved is None:
-            os.environ.pop(TOPOLOGY_ENV, None)
-        else:
-            os.environ[TOPOLOGY_ENV] = saved
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def launch(config: LaunchConfig, script: str, args: Sequence[str] = ()) -> LaunchResult:
@@ -205,11 +220,12 @@ def launch(config: LaunchConfig, script: str, args: Sequence[str] = ()) -> Launc
     if config.py_spy_dir is not None:
         py_spy_executable()
     log_dir = config.log_dir or tempfile.mkdtemp(prefix="cpdpkit-launch-")
+    earlier_runs = _run_log_dirs(log_dir)
     argv = torchrun_args(config, script, args, log_dir=log_dir)
     t0 = time.monotonic()
     failure: tuple[int, Any] | None = None
     exit_code = 0
-    with _launch_environment(config.topology):
+    with _launch_environment(config.topology, config.max_restarts):
         try:
             run(parse_args(argv))
         except ChildFailedError as exc:
@@ -217,6 +233,7 @@ def launch(config: LaunchConfig, script: str, args: Sequence[str] = ()) -> Launc
             exit_code = failure[1].exitcode if failure[1].exitcode > 0 else 1
     result = LaunchResult(exit_code=exit_code, world_size=config.world_size,
                           duration_s=time.monotonic() - t0, log_dir=log_dir,
+                          restarts=_restarts(log_dir, earlier_runs),
                           trace_files=_files(config.profile_dir, ".pt.trace.json"),
                           py_spy_files=_files(config.py_spy_dir, ".speedscope.json"))
     if failure is None:
@@ -224,6 +241,24 @@ def launch(config: LaunchConfig, script: str, args: Sequence[str] = ()) -> Launc
     rank, proc = failure
     error, tail = _describe_failure(rank, proc, log_dir)
     return replace(result, failed_rank=rank, error=error, traceback_tail=tail)
+
+
+def _run_log_dirs(log_dir: str) -> set[Path]:
+    """The run folders torch elastic made in ``log_dir`` (one per launch: ``<run id>_<random>/``)."""
+    root = Path(log_dir)
+    return {p for p in root.iterdir() if p.is_dir()} if root.is_dir() else set()
+
+
+def _restarts(log_dir: str, earlier_runs: set[Path]) -> int:
+    """Restarts of this launch: torch elastic logs attempt ``n`` (``TORCHELASTIC_RESTART_COUNT = n``) in
+    ``<log_dir>/<run>/attempt_<n>/``; the highest ``n`` in the run folder this launch added is the count.
+
+    Elastic's ``run()`` returns no restart count; its log layout is the one record both a success and a
+    failure leave behind (a ``--log-dir`` reused across launches keeps earlier runs, so they are set aside).
+    """
+    attempts = [int(a.name.removeprefix("attempt_")) for run in _run_log_dirs(log_dir) - earlier_runs
+                for a in run.glob("attempt_*") if a.name.removeprefix("attempt_").isdigit()]
+    return max(attempts, default=0)
 
 
 def _files(folder: str | None, suffix: str) -> tuple[str, ...]:

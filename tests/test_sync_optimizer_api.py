@@ -65,7 +65,7 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, sched=Non
 # -- construction: one source of defaults (no process group needed: refused before any) ----
 KNOWN = ("strategy, period, warmup_steps, slowmo_momentum, slowmo_lr, buffers, "
          "optimizer_state, bucket_cap_mb, timeout_s, overlap_steps, target_exposed_frac, k_min, "
-         "k_max, max_divergence")
+         "k_max, max_divergence, check_replicas")
 
 
 def test_unknown_keyword_is_one_line_naming_it_and_the_fields():
@@ -107,7 +107,7 @@ def test_config_and_keyword_forms_give_equal_config(world1):
         "strategy": "slowmo", "period": 3, "warmup_steps": 2, "slowmo_momentum": 0.5,
         "slowmo_lr": 1.0, "buffers": "average", "optimizer_state": "keep",
         "bucket_cap_mb": 25.0, "timeout_s": 30, "overlap_steps": 0, "target_exposed_frac": 0.05,
-        "k_min": 1, "k_max": 8, "max_divergence": None}
+        "k_min": 1, "k_max": 8, "max_divergence": None, "check_replicas": False}
     plain = PeriodicSyncOptimizer(torch.optim.SGD(m3.parameters(), lr=0.1), model=m3)
     assert plain.config == SyncConfig()  # the defaults are SyncConfig's
 

@@ -6,7 +6,7 @@ Dependencies point one way (docs/contracts.md and README.md show the picture)::
     layer 1  network            the one α-β network model
     layer 2  topology           tiers, placement, Topology.group(ranks)
     layer 3  emulator (+ _env), planner, sync, tracing; profiler (installed as cpdpkit.profiler)
-    layer 4  bench, launch (+ _child)
+    layer 4  bench, launch (+ _child), checkpoint
     layer 5  cli
 
 Rules, checked over every ``.py`` file under ``cpdpkit/`` and ``profiler/``:
@@ -67,13 +67,16 @@ COMPONENTS: dict[str, tuple[int, tuple[str, ...]]] = {
     "tracing": (3, ("cpdpkit.tracing",)),
     "profiler": (3, ("cpdpkit.profiler",)),
     "bench": (4, ("cpdpkit.bench",)),
+    # checkpoint saves what sync's optimizer and planner's executors hold (and is used by bench)
+    "checkpoint": (4, ("cpdpkit.checkpoint",)),
     # _child is the per-rank entry point torchrun runs for cpdpkit.launch
     "launch": (4, ("cpdpkit.launch", "cpdpkit._child")),
     "cli": (5, ("cpdpkit.cli",)),
 }
 
 # (importer, imported) pairs of one layer that may depend on each other, and why
-ALLOWED_PEERS = {("bench", "launch"): "bench runs every job through cpdpkit.launch"}
+ALLOWED_PEERS = {("bench", "launch"): "bench runs every job through cpdpkit.launch",
+                 ("bench", "checkpoint"): "a bench job resumes from its checkpoints after an injected fault"}
 
 PROFILER_MAY_IMPORT = ("cpdpkit", "errors", "labels", "network", "topology", "profiler")
 

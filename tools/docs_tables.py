@@ -47,7 +47,8 @@ MAIN_DEFAULTS = {"strategies": ["ddp", "localsgd-torch", "localsgd", "slowmo", "
                  "momentum": 0.9, "slowmo_momentum": 0.5, "slowmo_lr": 1.0, "warmup_steps": 0,
                  "optimizer_state": "keep", "lr_schedule": "constant", "world_size": 2, "topology": "wan", "seeds": 1,
                  "profile_dir": None, "augment": False, "max_images": None, "overlap_steps": 3,
-                 "target_exposed_frac": 0.05, "k_min": 1, "k_max": 8, "max_divergence": None, "topologies": None}
+                 "target_exposed_frac": 0.05, "k_min": 1, "k_max": 8, "max_divergence": None, "topologies": None,
+                 "inject_fault": None}
 MAIN_QUICK = {"strategies": ["ddp", "localsgd-torch", "cpdp"], "periods": [4], "epochs": 3}
 SHARDING_DEFAULTS = {"strategies": ["fsdp2", "hsdp", "zero1", "zero1-overlap", "planned", "two-stage", "partial"],
                      "model": "gpt-tiny", "world_size": 4, "topology": "cluster-slow-ib", "batch_size": 4, "lr": 0.003,

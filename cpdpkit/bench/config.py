@@ -11,6 +11,7 @@ from typing import Any
 
 from cpdpkit.bench.augment import IMAGE_DATASETS
 from cpdpkit.bench.data import DATASETS, find_cifar100
+from cpdpkit.bench.faults import CHECKPOINT_EVERY, parse_fault
 from cpdpkit.bench.image_folders import find_tiny_imagenet
 from cpdpkit.bench.models import check_model_available
 from cpdpkit.bench.text import check_corpus
@@ -59,6 +60,8 @@ class RunSpec:
     k_max: int = 8
     max_divergence: float | None = None
     topology: str | None = None  # None: the config's --topology (spec.json files from before --topologies)
+    fault: str | None = None  # --inject-fault (cpdpkit.bench.faults); None: no fault
+    checkpoint_every: int | None = None  # checkpoint into RUN_DIR/ckpt every N steps (None: no checkpoints)
 
     @property
     def label(self) -> str:
@@ -112,6 +115,7 @@ class BenchConfig:
     k_max: int = 8
     max_divergence: float | None = None  # cpdp-auto: cap on the ranks' parameter divergence (None: no cap)
     topologies: tuple[str, ...] | None = None  # run the whole comparison once per preset (else: topology)
+    inject_fault: str | None = None  # kill:rank=R:step=S: each run killed once, restarted, compared (bench.faults)
 
     def __post_init__(self) -> None:
         for s in self.strategies:
@@ -155,6 +159,8 @@ class BenchConfig:
         self._check_sync_options()
         self._check_overlap_and_auto()
         self._check_topologies()
+        if self.inject_fault is not None:
+            parse_fault(self.inject_fault, world_size=self.world_size if _is_int(self.world_size) else None)
 
     @property
     def topology_names(self) -> tuple[str, ...]:
@@ -242,7 +248,8 @@ class BenchConfig:
                        lr_schedule=self.lr_schedule, augment=self.augment, max_images=self.max_images,
                        overlap_steps=self.overlap_steps, target_exposed_frac=self.target_exposed_frac,
                        k_min=self.k_min, k_max=self.k_max, max_divergence=self.max_divergence,
-                       topology=topology)
+                       topology=topology, fault=self.inject_fault,
+                       checkpoint_every=CHECKPOINT_EVERY if self.inject_fault is not None else None)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

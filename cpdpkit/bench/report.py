@@ -142,7 +142,8 @@ def _seed_entry(run: dict[str, Any]) -> dict[str, Any]:
     keep = ("status", "reason", "peak_test_acc", "final_test_acc", "wall_s", "step_s", "steps",
             "exposed_sync_s_per_step", "bytes_per_step", "collectives_per_step", "final_loss",
             "harness_s", "launch_s", "curve", "dataset_info", "period_history", "mean_period")
-    return {"seed": run["spec"]["seed"], **{k: run.get(k) for k in keep}}
+    faulted = {k: run[k] for k in ("restarts", "fault") if k in run}  # --inject-fault runs only
+    return {"seed": run["spec"]["seed"], **{k: run.get(k) for k in keep}, **faulted}
 
 
 def _mean_curve(runs: list[dict[str, Any]]) -> tuple[dict[str, float], ...]:

@@ -10,7 +10,9 @@ caller as events: ``("start", spec)``, ``("epoch", spec, epoch, epochs)``,
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -33,19 +35,19 @@ def _run_dir(work_dir: Path, spec: RunSpec, config: BenchConfig) -> Path:
     return work_dir / f"{name}-seed{spec.seed}"
 
 
-def _launch(run_dir: Path, config: BenchConfig, topology: str) -> tuple[int, str]:
-    """Launch the worker on ``config.world_size`` ranks over ``topology``; ``(exit code, error line)``."""
+def _launch(run_dir: Path, config: BenchConfig, topology: str, *, max_restarts: int = 0) -> tuple[int, str, int]:
+    """Launch the worker on ``config.world_size`` ranks over ``topology``; ``(exit code, error line, restarts)``."""
     from cpdpkit.bench import worker
     from cpdpkit.launch import LaunchConfig, launch
 
     result = launch(
         LaunchConfig(nproc_per_node=config.world_size, topology=topology,
-                     log_dir=str(run_dir / "logs")),
+                     log_dir=str(run_dir / "logs"), max_restarts=max_restarts),
         worker.__file__, [str(run_dir)],
     )
     if result.ok:
-        return 0, ""
-    return result.exit_code, f"rank {result.failed_rank}: {result.error}"
+        return 0, "", result.restarts
+    return result.exit_code, f"rank {result.failed_rank}: {result.error}", result.restarts
 
 
 def _watch(run_dir: Path, spec: RunSpec, emit: Callable[[Event], None], stop: threading.Event) -> None:
@@ -68,32 +70,59 @@ def run_one(spec: RunSpec, config: BenchConfig, work_dir: Path,
             emit: Callable[[Event], None] = lambda e: None) -> dict[str, Any]:
     """Launch one run and return its result (with status and reason on failure)."""
     run_dir = _run_dir(work_dir, spec, config)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in (RESULT_FILE, PROGRESS_FILE):
-        (run_dir / stale).unlink(missing_ok=True)
-    (run_dir / SPEC_FILE).write_text(json.dumps(spec.to_dict(), indent=1))
+    _prepare(run_dir, spec)
     emit(("start", spec))
     stop = threading.Event()
     watcher = threading.Thread(target=_watch, args=(run_dir, spec, emit, stop), daemon=True)
     watcher.start()
     start = time.perf_counter()
     try:
-        code, error = _launch(run_dir, config, spec.topology or config.topology)
+        code, error, restarts = _launch(run_dir, config, spec.topology or config.topology,
+                                        max_restarts=1 if spec.fault else 0)
     finally:
         stop.set()
         watcher.join()
     launch_s = time.perf_counter() - start
-    result_path = run_dir / RESULT_FILE
-    if code == 0 and result_path.exists():
-        result = json.loads(result_path.read_text())
-    else:
-        reason = error or f"launch exited with code {code} and wrote no result"
-        result = {"spec": spec.to_dict(), "status": "failed", "reason": reason}
+    result = _read_result(run_dir, spec, code, error)
     result["launch_s"] = launch_s
     result["harness_total_s"] = max(0.0, launch_s - float(result.get("wall_s") or 0.0))
     result["run_dir"] = str(run_dir)
+    if spec.fault:
+        result["restarts"] = restarts
+        result["fault"] = _compare_with_uninterrupted(spec, config, run_dir, result, restarts)
     emit(("done", spec, result))
     return result
+
+
+def _prepare(run_dir: Path, spec: RunSpec) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in (RESULT_FILE, PROGRESS_FILE):
+        (run_dir / stale).unlink(missing_ok=True)
+    shutil.rmtree(run_dir / "ckpt", ignore_errors=True)  # a run never resumes from an earlier bench's checkpoints
+    (run_dir / SPEC_FILE).write_text(json.dumps(spec.to_dict(), indent=1))
+
+
+def _read_result(run_dir: Path, spec: RunSpec, code: int, error: str) -> dict[str, Any]:
+    result_path = run_dir / RESULT_FILE
+    if code == 0 and result_path.exists():
+        return json.loads(result_path.read_text())
+    reason = error or f"launch exited with code {code} and wrote no result"
+    return {"spec": spec.to_dict(), "status": "failed", "reason": reason}
+
+
+def _compare_with_uninterrupted(spec: RunSpec, config: BenchConfig, run_dir: Path, result: dict[str, Any],
+                                restarts: int) -> dict[str, Any]:
+    """Run ``spec`` again without the fault (same checkpoints) and compare every rank's final parameters."""
+    clean = dataclasses.replace(spec, fault=None)
+    ref_dir = run_dir.with_name(run_dir.name + "-uninterrupted")
+    _prepare(ref_dir, clean)
+    code, error, _ = _launch(ref_dir, config, spec.topology or config.topology)
+    reference = _read_result(ref_dir, clean, code, error)
+    mine, theirs = result.get("final_params_sha256"), reference.get("final_params_sha256")
+    return {"injected": spec.fault, "restarts": restarts, "resumed_from_step": result.get("resumed_from_step"),
+            "final_params_sha256": mine, "uninterrupted_params_sha256": theirs,
+            "final_params_equal_uninterrupted": bool(mine) and mine == theirs,
+            "uninterrupted_status": reference.get("status"), "uninterrupted_run_dir": str(ref_dir)}
 
 
 def run_bench(config: BenchConfig, work_dir: Path,

@@ -13,8 +13,11 @@ training), data loading and start-up are harness time, reported separately.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -73,38 +76,104 @@ def _epoch_batches(spec: RunSpec, data: Dataset, epoch: int, rank: int, world: i
         yield data.x_train[idx], data.y_train[idx]
 
 
+class _Progress:
+    """What a run has done so far (curve, times, steps, last loss): saved with its checkpoints."""
+
+    def __init__(self) -> None:
+        self.state = {"curve": [], "train_s": 0.0, "harness_s": 0.0, "steps": 0, "loss": math.nan}
+
+    def state_dict(self) -> dict:
+        return copy.deepcopy(self.state)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = copy.deepcopy(state)
+
+
+class _Resumable:
+    """The checkpoints (``spec.checkpoint_every``) and the injected fault (``spec.fault``) of one run."""
+
+    def __init__(self, spec: RunSpec, runner: StrategyRunner, run_dir: Path, rank: int, progress: _Progress) -> None:
+        from cpdpkit.bench.faults import parse_fault
+
+        self.runner, self.rank, self.progress = runner, rank, progress
+        self.fault = parse_fault(spec.fault) if spec.fault else None
+        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.ckpt = None
+        if spec.checkpoint_every:
+            from cpdpkit.checkpoint import Checkpointer
+
+            self.ckpt = Checkpointer(run_dir / "ckpt", every=spec.checkpoint_every)
+        self.extra = {"progress": progress, **({"scheduler": runner.scheduler} if runner.scheduler else {})}
+
+    def restore(self) -> int:
+        if self.ckpt is None:
+            return 0
+        return self.ckpt.restore(model=self.runner.module, optimizer=self.runner.optimizer, extra=self.extra)
+
+    def after_step(self, step: int, *, save: bool) -> None:
+        fault = self.fault
+        if fault is not None and self.attempt == 0 and self.rank == fault.rank and step == fault.step:
+            print(f"rank {self.rank}: injected fault {fault}: SIGKILL after step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if save and self.ckpt is not None:
+            self.ckpt.maybe_save(step, model=self.runner.module, optimizer=self.runner.optimizer, extra=self.extra)
+
+
 def _train(spec: RunSpec, runner: StrategyRunner, data: Dataset, run_dir: Path,
            rank: int, world: int, prof) -> dict:
-    curve, train_s, harness_s, steps, status, reason, loss = [], 0.0, 0.0, 0, "ok", None, math.nan
-    for epoch in range(spec.epochs):
+    progress = _Progress()
+    resumable = _Resumable(spec, runner, run_dir, rank, progress)
+    resumed_from = resumable.restore()
+    p = progress.state
+    per_epoch = _steps_per_epoch(spec, data, world)
+    status, reason = "ok", None
+    for epoch in range(resumed_from // per_epoch if per_epoch else spec.epochs, spec.epochs):
         dist.barrier()
         start = time.perf_counter()
         augment = epoch_augmenter(spec, epoch, rank, data.input_shape[0])  # None unless spec.augment
-        for x, y in _epoch_batches(spec, data, epoch, rank, world):
+        done_in_epoch = p["steps"] - epoch * per_epoch  # > 0 only in the epoch a resumed run continues
+        for i, (x, y) in enumerate(_epoch_batches(spec, data, epoch, rank, world)):
             if augment is not None:  # training batches only; evaluation sees the test set as it is
-                x = augment(x)
-            loss = runner.train_step(x, y)
-            steps += 1
+                x = augment(x)  # also for the batches a resumed run skips: the same draws afterwards
+            if i < done_in_epoch:
+                continue
+            p["loss"] = runner.train_step(x, y)
+            p["steps"] += 1
             if prof is not None:
                 prof.step()
-        train_s += time.perf_counter() - start
+            resumable.after_step(p["steps"], save=i + 1 < per_epoch)  # an epoch's last step: after evaluation
+        p["train_s"] += time.perf_counter() - start
         h0 = time.perf_counter()
         # one collective for both: did any rank diverge, and the slowest rank's train time
+        loss = p["loss"]
         bad = 0.0 if math.isfinite(loss) and abs(loss) < _DIVERGED_LOSS else 1.0
-        flags = torch.tensor([bad, train_s], dtype=torch.float64)
+        flags = torch.tensor([bad, p["train_s"]], dtype=torch.float64)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if flags[0].item() > 0:
             status, reason = "diverged", f"training loss became {loss:.4g} in epoch {epoch + 1}"
             break
         wall = flags[1]
         acc = _average_model_accuracy(runner.module, data, world)
-        curve.append({"epoch": epoch + 1, "wall_s": float(wall), "test_acc": acc, "loss": loss})
+        p["curve"].append({"epoch": epoch + 1, "wall_s": float(wall), "test_acc": acc, "loss": loss})
         if rank == 0:
             with (run_dir / PROGRESS_FILE).open("a") as fh:
                 fh.write(json.dumps({"epoch": epoch + 1, "epochs": spec.epochs, "test_acc": acc}) + "\n")
-        harness_s += time.perf_counter() - h0
-    return {"curve": curve, "train_s": train_s, "harness_s": harness_s, "steps": steps,
-            "status": status, "reason": reason, "final_loss": loss}
+        p["harness_s"] += time.perf_counter() - h0
+        resumable.after_step(p["steps"], save=True)
+    return {"curve": p["curve"], "train_s": p["train_s"], "harness_s": p["harness_s"], "steps": p["steps"],
+            "status": status, "reason": reason, "final_loss": p["loss"], "resumed_from_step": resumed_from,
+            "attempt": resumable.attempt}
+
+
+def _params_sha256(module: nn.Module, world: int) -> list[str]:
+    """Every rank's sha256 of its parameters' bytes (in ``named_parameters`` order), in rank order."""
+    digest = hashlib.sha256()
+    for name, p in module.named_parameters():
+        digest.update(name.encode())
+        digest.update(p.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    out: list[str | None] = [None] * world
+    dist.all_gather_object(out, digest.hexdigest())
+    return [str(d) for d in out]
 
 
 def _sync_kw(spec: RunSpec) -> dict:
@@ -148,6 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     with _profiled(spec) as prof:
         out = _train(spec, runner, data, run_dir, rank, world, prof)
     m = runner.finish()
+    params_sha256 = _params_sha256(runner.module, world)
     meter = torch.tensor([m.exposed_s])
     dist.all_reduce(meter, op=dist.ReduceOp.MAX)
     steps = max(out["steps"], 1)
@@ -162,7 +232,10 @@ def main(argv: list[str] | None = None) -> None:
         "collectives_per_step": m.collectives / steps, "bytes_per_step": m.bytes_sent / steps,
         "final_loss": out["final_loss"], "curve": out["curve"],
         "harness_s": {"setup": setup_s, "eval_and_checks": out["harness_s"]},
+        "final_params_sha256": params_sha256,
     }
+    if spec.checkpoint_every:  # a resumed run's meters (exposed, collectives) cover its last attempt only
+        result["resumed_from_step"], result["attempt"] = out["resumed_from_step"], out["attempt"]
     k_over_time = runner.period_history()  # ours only: K at step 0 and each controller decision
     if k_over_time is not None:
         result["period_history"], result["mean_period"] = k_over_time

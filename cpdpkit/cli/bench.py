@@ -171,6 +171,9 @@ def bench(
     json_out: str | None = typer.Option(None, "--json", help="Write the results as JSON to FILE."),
     plot: str | None = typer.Option(None, "--plot", help="Plot test accuracy vs wall clock to FILE.png."),
     work_dir: str | None = typer.Option(None, help="Keep per-run folders here (default: a temp dir)."),
+    inject_fault: str | None = typer.Option(None, "--inject-fault", help=(
+        "kill:rank=R:step=S: kill rank R (SIGKILL) after step S once; each run checkpoints, is restarted, resumes, "
+        "and is compared with a run without the fault.")),
     steps: int | None = typer.Option(None, hidden=True),  # the next four: only for --suite sharding
     optimizer: str | None = typer.Option(None, hidden=True),
     memory_budget: str | None = typer.Option(None, hidden=True),
@@ -204,6 +207,7 @@ def bench(
         world_size=world_size, topology=topology, topologies=topologies, seeds=seeds,
         quick=quick, profile_dir=profile, augment=augment, preset=preset, overlap_steps=overlap_steps,
         target_exposed_frac=target_exposed_frac, k_min=k_min, k_max=k_max, max_divergence=max_divergence,
+        inject_fault=inject_fault,
     )
     _run_main(config, json_out=json_out, plot=plot, work_dir=work_dir)
 
@@ -277,11 +281,31 @@ def _print_report(report: BenchReport) -> None:
             where = f" on {r.topology}" if len(report.topologies) > 1 else ""
             out_console.print(f"[red]{r.label}{where} {r.status}:[/red] {escape('; '.join(r.reasons))}")
     data = report.to_dict()
+    for line in _fault_lines(data):
+        out_console.print(line, highlight=False, soft_wrap=True)
     for line in k_over_time_lines(data):
         out_console.print(line, highlight=False)
     for goal in overlap_and_auto_goals(data):
         mark = "[green]met[/green]" if goal.met else "[red]not met[/red]"
         out_console.print(f"goal: {escape(goal.text)}: {escape(goal.measured)} {mark}", highlight=False)
+
+
+def _fault_lines(data: dict[str, Any]) -> list[str]:
+    """One line per run with an injected fault: restarts, resume point, and the comparison with the clean run."""
+    lines = []
+    for r in data["results"]:
+        label = r["strategy"] if r["period"] is None else f"{r['strategy']} K={r['period']}"
+        for seed in r["seeds"]:
+            fault = seed.get("fault")
+            if not fault:
+                continue
+            same = fault["final_params_equal_uninterrupted"]
+            verdict = ("[green]equal[/green] to" if same else "[red]differ from[/red]") + " the uninterrupted run's"
+            sha = (fault.get("final_params_sha256") or ["-"])[0][:12]
+            lines.append(f"fault {escape(fault['injected'])} on {escape(label)} seed {seed['seed']}: "
+                         f"{fault['restarts']} restart(s), resumed from step {fault['resumed_from_step']}; final "
+                         f"parameters of every rank {verdict} (rank 0 sha256 {sha}...)")
+    return lines
 
 
 def _run_with_progress(config: BenchConfig, work_dir: Path) -> BenchReport:

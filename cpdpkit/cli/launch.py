@@ -31,6 +31,9 @@ def launch_command(
     master_addr: str | None = typer.Option(None, "--master-addr", help="Passed to torchrun."),
     master_port: int | None = typer.Option(None, "--master-port", help="Passed to torchrun (default: a free port)."),
     log_dir: str | None = typer.Option(None, "--log-dir", help="Rank logs (default: a temporary folder)."),
+    max_restarts: int = typer.Option(0, "--max-restarts",
+                                     help="Restart all ranks up to N times when one fails (torch elastic; a script "
+                                          "resumes with cpdpkit.checkpoint.Checkpointer)."),
 ) -> None:
     """Launch SCRIPT [ARGS...] on --nproc-per-node ranks (torchrun), with an emulated network if asked.
 
@@ -42,10 +45,12 @@ def launch_command(
         nproc_per_node=nproc_per_node, topology=topology, profile_dir=profile, py_spy_dir=py_spy,
         nnodes=nnodes, node_rank=node_rank, rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint,
         rdzv_id=rdzv_id, master_addr=master_addr, master_port=master_port, log_dir=log_dir,
+        max_restarts=max_restarts,
     )
     result = launch(config, script, list(ctx.args))
+    restarted = f"restarted {result.restarts} time(s)" if result.restarts else None
     if result.ok:
-        extras = []
+        extras = [restarted] if restarted else []
         if result.trace_files:
             extras.append(f"{len(result.trace_files)} trace file(s) in {profile}")
         if result.py_spy_files:
@@ -54,7 +59,9 @@ def launch_command(
         out_console.print(f"[green]launch finished[/green] in {result.duration_s:.1f} s{escape(suffix)}",
                           soft_wrap=True)
         return
-    err_console.print(f"[bold red]error:[/bold red] {escape(result.error or 'a rank failed')}", soft_wrap=True)
+    after = f" (after {result.restarts} restart(s))" if result.restarts else ""
+    err_console.print(f"[bold red]error:[/bold red] {escape(result.error or 'a rank failed')}{escape(after)}",
+                      soft_wrap=True)
     for line in result.traceback_tail:
         err_console.print(f"  {escape(line)}", soft_wrap=True, highlight=False)
     err_console.print(f"  (rank logs: {escape(result.log_dir)})", soft_wrap=True, highlight=False)

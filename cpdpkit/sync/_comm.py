@@ -90,6 +90,16 @@ class Communicator:
         self._count(tensor)
         return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
 
+    def all_reduce_max_async(self, tensor: torch.Tensor) -> dist.Work:
+        self._count(tensor)
+        return dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+
+    def all_gather_async(self, out: torch.Tensor, tensor: torch.Tensor) -> dist.Work:
+        """``out`` (``size`` times ``tensor``'s numel) receives every rank's ``tensor``, in rank order."""
+        self._count(tensor)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return gather(out, tensor, group=self.group, async_op=True)
+
     def average_(self, flats: Sequence[torch.Tensor], cap_bytes: int) -> None:
         """Average flat tensors in place across the group, in buckets of ``cap_bytes``.
 

@@ -97,13 +97,17 @@ class Reconciler:
     """Runs reconciliations for :class:`~cpdpkit.sync.PeriodicSyncOptimizer` (module docstring).
 
     ``blocked_s`` returns the optimizer's total blocked seconds so far (the controller's ``S``).
+    ``on_reconciled(step, values)``, if given, sees each reconciliation's result (per flat segment, after
+    SlowMo's update; the same on every rank) before it is applied: the replica check.
     """
 
     def __init__(self, config: SyncConfig, flat: FlatParameters, *, slow: Communicator,
                  world: Communicator, optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
-                 buffers: Callable[[], list[torch.Tensor]], blocked_s: Callable[[], float]) -> None:
+                 buffers: Callable[[], list[torch.Tensor]], blocked_s: Callable[[], float],
+                 on_reconciled: Callable[[int, list[torch.Tensor]], None] | None = None) -> None:
         self.config, self._flat, self._slow, self._world = config, flat, slow, world
         self._optim, self._params, self._buffers, self._blocked_s = optimizer, params, buffers, blocked_s
+        self._on_reconciled = on_reconciled
         self.schedule = PeriodSchedule(config)
         self.decisions: list[PeriodDecision] = []
         self.in_flight: _InFlight | None = None
@@ -153,6 +157,8 @@ class Reconciler:
         if cfg.auto:
             self._decide(n, measured, storages)
         self._outer_update(self._flat.flats)
+        if self._on_reconciled is not None:
+            self._on_reconciled(n, self._flat.flats)
         sync_buffers(self._world, self._buffers(), cfg.buffers, cfg.bucket_cap_bytes)
         sync_optimizer_state(self._slow, self._optim, self._params, cfg.optimizer_state,
                              cfg.bucket_cap_bytes)
@@ -205,6 +211,8 @@ class Reconciler:
         if self.config.auto:
             self._decide(flight.launch_step, flight.measured_period, flight.sent)
         self._outer_update(flight.sent)
+        if self._on_reconciled is not None:
+            self._on_reconciled(flight.launch_step, flight.sent)
         self._flat.ensure_bound()
         for flat, reconciled, launched in zip(self._flat.flats, flight.sent, flight.launched):
             flat.copy_(torch.add(reconciled[: flat.numel()], torch.sub(flat, launched)))

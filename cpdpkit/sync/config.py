@@ -74,6 +74,12 @@ class SyncConfig:
     set, the replicas' relative divergence ‖x_i − x̄‖/‖x̄‖ below it
     (:mod:`cpdpkit.sync.period_control`).
 
+    ``check_replicas`` verifies with one checksum all-reduce that every replica holds identical
+    parameters: after each reconciliation (with ``overlap_steps``: the reconciled value when it is
+    applied, since the applied parameters keep each rank's local progress), and for ``ddp``, whose
+    replicas must be identical after every step, after every step. A difference raises one line
+    naming the first differing parameter and the ranks (:mod:`cpdpkit.sync._replicas`).
+
     These declarations are the only defaults: ``PeriodicSyncOptimizer`` takes either
     ``config=SyncConfig(...)`` or these fields as keyword options, never both.
     """
@@ -92,6 +98,7 @@ class SyncConfig:
     k_min: int = 1
     k_max: int = 8
     max_divergence: float | None = None
+    check_replicas: bool = False
 
     def __post_init__(self) -> None:
         _choice("strategy", self.strategy, STRATEGIES)
@@ -120,6 +127,11 @@ class SyncConfig:
         if not float(self.bucket_cap_mb) > 0.0:
             raise ConfigError(
                 f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}: DDP's default is 25"
+            )
+        if not isinstance(self.check_replicas, bool):
+            raise ConfigError(
+                f"check_replicas must be True or False, got {self.check_replicas!r}: pass check_replicas=True "
+                "to verify identical replicas after each reconciliation"
             )
         if self.timeout_s is not None and not float(self.timeout_s) > 0.0:
             raise ConfigError(
@@ -237,4 +249,5 @@ class SyncConfig:
             ("buffers", BUFFER_POLICIES.index(self.buffers), BUFFER_POLICIES),
             ("optimizer_state", STATE_POLICIES.index(self.optimizer_state), STATE_POLICIES),
             ("bucket_cap_bytes", self.bucket_cap_bytes, None),
+            ("check_replicas", int(self.check_replicas), None),
         ]

@@ -44,6 +44,7 @@ from cpdpkit.sync._comm import Communicator, group_ranks
 from cpdpkit.sync._flat import FlatParameters
 from cpdpkit.sync._grad_buckets import GradientBuckets
 from cpdpkit.sync._reconcile import STATS_SLOTS, Reconciler
+from cpdpkit.sync._replicas import check_replicas
 from cpdpkit.sync._state_policies import sync_buffers
 from cpdpkit.sync.config import StepKind, SyncConfig
 from cpdpkit.sync.stats import SyncStats
@@ -158,7 +159,10 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
             self.config, self._flat, slow=self._slow, world=self._comm, optimizer=self.optim,
             params=self._params, buffers=self._buffers,
             blocked_s=lambda: sum(c.blocked_s for c in self._communicators()),
+            on_reconciled=self._check_reconciled if self.config.check_replicas else None,
         )
+        names = {id(p): name for name, p in model.named_parameters()}
+        self._param_names = [names.get(id(p), f"#{i}") for i, p in enumerate(self._flat_params())]
         self._start()
 
     # -- construction ----------------------------------------------------------------------
@@ -384,6 +388,8 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
                 self._reconciler.reconcile_blocking(n)
         elif kind in (StepKind.DDP, StepKind.WARMUP):
             sync_buffers(self._comm, self._buffers(), self.config.buffers, self.config.bucket_cap_bytes)
+            if kind is StepKind.DDP and self.config.check_replicas:  # ddp's replicas are identical after every step
+                check_replicas(self._comm, self._named_values(self._flat.flats), when=f"after step {n}")
         else:
             self._counts["local_steps"] += 1
             self._reconciler.apply(n, force=False)  # an overlapped average due at this step
@@ -410,6 +416,22 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         with self._comm.blocking(SYNC.PARAM_AVERAGE):
             self._comm.average_(self._flat.flats, self.config.bucket_cap_bytes)
         sync_buffers(self._comm, self._buffers(), self.config.buffers, self.config.bucket_cap_bytes)
+
+    # -- the replica check (check_replicas=True) --------------------------------------------------
+    def _flat_params(self) -> list[torch.Tensor]:
+        return [p for seg in self._flat.segments for p in seg.params]
+
+    def _named_values(self, values: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        """``(name, its slice of values)`` per parameter; ``values`` laid out as the flat segments."""
+        out, i = [], 0
+        for seg, flat in zip(self._flat.segments, values):
+            for p, off in zip(seg.params, seg.offsets):
+                out.append((self._param_names[i], flat[off : off + p.numel()].view_as(p)))
+                i += 1
+        return out
+
+    def _check_reconciled(self, step: int, values: list[torch.Tensor]) -> None:
+        check_replicas(self._comm, self._named_values(values), when=f"after the reconciliation of step {step}")
 
     # -- stats and checkpoints -----------------------------------------------------------------
     def _communicators(self) -> list[Communicator]:
