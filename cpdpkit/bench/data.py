@@ -88,13 +88,33 @@ def find_cifar100(data_dir: str | Path) -> tuple[str, Path]:
 
 
 def _read_python(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    def bad(problem: str) -> ConfigError:
+        one_line = " ".join(problem.split())[:200]  # pickle's own messages may span lines
+        return ConfigError(f"{path} is not a CIFAR-100 python file ({one_line}): re-extract it")
+
+    with path.open("rb") as fh:
+        raw = fh.read()
     try:
-        with path.open("rb") as fh:
-            entry = _ArrayUnpickler(io.BytesIO(fh.read()), encoding="bytes").load()
-        data, labels = entry[b"data"], entry[b"fine_labels"]
-    except (pickle.UnpicklingError, KeyError, EOFError, TypeError, ValueError) as exc:
-        raise ConfigError(f"{path} is not a CIFAR-100 python file ({exc}): re-extract it") from None
-    return np.asarray(data, dtype=np.uint8).reshape(-1, 3, 32, 32), np.asarray(labels, dtype=np.int64)
+        entry = _ArrayUnpickler(io.BytesIO(raw), encoding="bytes").load()
+    except Exception as exc:  # noqa: BLE001 - broken bytes make pickle raise almost anything (its docs say so)
+        raise bad(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from None
+    if not isinstance(entry, dict) or b"data" not in entry or b"fine_labels" not in entry:
+        raise bad(f"a {type(entry).__name__} without the keys b'data' and b'fine_labels'")
+    try:
+        data, labels = np.asarray(entry[b"data"]), np.asarray(entry[b"fine_labels"])
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:  # ragged or deeply nested lists
+        raise bad(f"{type(exc).__name__}: {exc}") from None
+    if data.dtype.kind not in "iu" or data.size == 0 or data.size % 3072 or data.min() < 0 or data.max() > 255:
+        raise bad(f"b'data' is {data.dtype} of shape {data.shape}, expected N x 3072 pixel bytes (N >= 1)")
+    return data.astype(np.uint8, copy=False).reshape(-1, 3, 32, 32), _checked_labels(path, labels, data.size // 3072)
+
+
+def _checked_labels(path: Path, labels: np.ndarray, num_images: int) -> np.ndarray:
+    """CIFAR-100's fine labels: one integer in 0..99 per image (a bad one would only fail in training)."""
+    if labels.dtype.kind not in "iu" or labels.shape != (num_images,) or labels.min() < 0 or labels.max() > 99:
+        raise ConfigError(f"{path}: the fine labels are {labels.dtype} of shape {labels.shape}, expected "
+                          f"{num_images} integers in 0..99 (one per image): re-extract it")
+    return labels.astype(np.int64)
 
 
 def _read_binary(path: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -105,7 +125,7 @@ def _read_binary(path: Path) -> tuple[np.ndarray, np.ndarray]:
             "records: re-extract it"
         )
     records = raw.reshape(-1, _CIFAR_RECORD)
-    return records[:, 2:].reshape(-1, 3, 32, 32), records[:, 1].astype(np.int64)
+    return records[:, 2:].reshape(-1, 3, 32, 32), _checked_labels(path, records[:, 1], len(records))
 
 
 def _cifar100(data_dir: str | Path, quick: bool) -> Dataset:

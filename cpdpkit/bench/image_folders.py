@@ -86,7 +86,7 @@ def _val_files(folder: Path, layout: str, classes: list[str]) -> list[tuple[Path
         pairs = [(path, p.name) for p in sorted(val.iterdir()) if p.is_dir() for path in _images_under(p)]
     else:
         pairs = []
-        for n, line in enumerate((val / "val_annotations.txt").read_text().splitlines(), 1):
+        for n, line in enumerate(_annotations(val / "val_annotations.txt").splitlines(), 1):
             fields = line.split("\t")
             if len(fields) < 2:
                 if line.strip():
@@ -103,6 +103,13 @@ def _val_files(folder: Path, layout: str, classes: list[str]) -> list[tuple[Path
     if not files:
         raise ConfigError(f"{val} holds no labelled images: expected {LAYOUTS}")
     return files
+
+
+def _annotations(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason}): re-extract it") from None
 
 
 def _balanced_first(files: list[tuple[Path, int]], limit: int) -> list[tuple[Path, int]]:
@@ -129,8 +136,11 @@ def _decode(files: list[tuple[Path, int]]) -> tuple[torch.Tensor, torch.Tensor]:
                 if rgb.size != (IMAGE_SIDE, IMAGE_SIDE):
                     rgb = rgb.resize((IMAGE_SIDE, IMAGE_SIDE), Image.Resampling.BILINEAR)
                 pixels[i] = np.asarray(rgb)
-        except (UnidentifiedImageError, OSError) as exc:
-            raise ConfigError(f"{path} is not a readable image ({exc}): remove or re-extract it") from None
+        # Pillow's documented errors for a broken or hostile file (a NUL in a listed name: ValueError)
+        except (UnidentifiedImageError, OSError, ValueError, TypeError, SyntaxError, EOFError,
+                Image.DecompressionBombError) as exc:
+            why = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
+            raise ConfigError(f"{path} is not a readable image ({why}): remove or re-extract it") from None
     mean = np.asarray(TINY_IMAGENET_MEAN, dtype=np.float32)
     std = np.asarray(TINY_IMAGENET_STD, dtype=np.float32)
     x = torch.empty(len(files), 3, IMAGE_SIDE, IMAGE_SIDE)

@@ -11,6 +11,7 @@ import json
 from typing import TYPE_CHECKING
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from cpdpkit.cli._app import app, out_console
@@ -58,7 +59,8 @@ def render_topology(topo: Topology) -> list[Table]:
     from cpdpkit.topology import COLLECTIVE_OPS, format_ranks
 
     levels = {"intra_node_tier": "same node", "inter_node_tier": "same site", "inter_site_tier": "between sites"}
-    tiers = Table(title=f"topology {topo.name}: {topo._shape()}", title_justify="left")
+    # a name or description from a TOML file is text, never rich markup ("[/x]" would raise MarkupError)
+    tiers = Table(title=f"topology {escape(topo.name)}: {topo._shape()}", title_justify="left")
     for col in ("tier", "latency (one way)", "bandwidth", "links", "jitter"):
         tiers.add_column(col)
     for t in topo.tiers:
@@ -101,7 +103,7 @@ def show(
         out_console.print_json(json.dumps(topo.to_dict()))
         return
     if topo.description:
-        out_console.print(topo.description, soft_wrap=True)
+        out_console.print(topo.description, soft_wrap=True, markup=False)
     for table in render_topology(topo):
         out_console.print(table)
     if not topo.is_placed:

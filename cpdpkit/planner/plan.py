@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cpdpkit.errors import TopologyError
 from cpdpkit.planner.config import PlannerConfig, PlannerError, Record
 from cpdpkit.planner.timeline import TwoStageSchedule
 from cpdpkit.topology import Topology
@@ -305,10 +306,24 @@ class ShardingPlan:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ShardingPlan:
+        """A plan from :meth:`to_dict`'s dict; :class:`PlannerError` (one line) when it does not fit the format."""
+        if not isinstance(data, Mapping):
+            raise PlannerError(f"a plan must be a JSON object, got {type(data).__name__}; "
+                               "pass cpdpkit plan --json's file")
         version = data.get("format_version")
-        if version not in _READABLE_VERSIONS:
-            raise PlannerError(f"plan format_version = {version!r} is not supported; re-run cpdpkit plan "
+        if version not in _READABLE_VERSIONS or isinstance(version, bool):
+            raise PlannerError(f"plan format_version = {_short(version)} is not supported; re-run cpdpkit plan "
                                f"(this cpdpkit reads versions {', '.join(map(str, _READABLE_VERSIONS))})")
+        try:
+            return cls._from_fields(data)
+        except KeyError as exc:
+            raise PlannerError(f"plan field {_short(exc.args[0])} is missing; re-run cpdpkit plan") from None
+        except (TypeError, ValueError, AttributeError, OverflowError, IndexError, RecursionError) as exc:
+            raise PlannerError(f"plan does not fit format version {version} ({type(exc).__name__}: "
+                               f"{_clip(str(exc))}); re-run cpdpkit plan") from None
+
+    @classmethod
+    def _from_fields(cls, data: Mapping[str, Any]) -> ShardingPlan:
         return cls(
             model_name=data["model_name"], strategy=data["strategy"], world_size=data["world_size"],
             topology=Topology.from_dict(data["topology"]), config=PlannerConfig.from_dict(data["config"]),
@@ -330,10 +345,51 @@ class ShardingPlan:
 
     @classmethod
     def from_json(cls, text: str) -> ShardingPlan:
-        return cls.from_dict(json.loads(text))
+        return cls.from_dict(_parse_json(text))
 
     @classmethod
     def load(cls, path: str | Path) -> ShardingPlan:
-        """A plan from a ``--json`` file of ``cpdpkit plan`` (its ``"plan"`` key) or a bare plan."""
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-        return cls.from_dict(data.get("plan", data))
+        """A plan from a ``--json`` file of ``cpdpkit plan`` (its ``"plan"`` key) or a bare plan.
+
+        Raises :class:`PlannerError` (or the :class:`~cpdpkit.errors.TopologyError` of its topology):
+        one line that starts with the file's path.
+        """
+        p = Path(path)
+        try:
+            text = p.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise PlannerError(f"{p}: cannot read the plan file ({exc.strerror or exc}); check the path") from None
+        except UnicodeDecodeError as exc:
+            raise PlannerError(f"{p}: not UTF-8 text (byte {exc.start}: {exc.reason}); pass cpdpkit plan --json's "
+                               "file") from None
+        try:
+            data = _parse_json(text)
+            return cls.from_dict(data.get("plan", data) if isinstance(data, dict) else data)
+        except (PlannerError, TopologyError) as exc:  # one line: a key in a message may hold a newline
+            raise type(exc)(" ".join(f"{p}: {exc}".split())) from None
+
+
+def _parse_json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PlannerError(f"not valid JSON ({exc}); pass cpdpkit plan --json's file") from None
+    except RecursionError:
+        raise PlannerError("not valid JSON (arrays or objects nested too deeply); pass cpdpkit plan --json's "
+                           "file") from None
+    except ValueError as exc:  # an integer past Python's 4,300-digit limit
+        raise PlannerError(f"not valid JSON ({_clip(str(exc))}); pass cpdpkit plan --json's file") from None
+
+
+def _short(value: Any) -> str:
+    """``repr(value)`` in at most about 80 characters (a broken file may hold a 5,000-digit number)."""
+    try:
+        return _clip(repr(value))
+    except ValueError:  # an int past Python's 4,300-digit str() limit
+        return f"<a {value.bit_length()}-bit integer>"
+
+
+def _clip(text: str) -> str:
+    """``text`` on one line, cut in the middle past 80 characters."""
+    text = " ".join(text.split())
+    return text if len(text) <= 80 else f"{text[:38]}...{text[-38:]}"
