@@ -1,9 +1,14 @@
-"""The one environment variable of the emulator: ``CPDPKIT_TOPOLOGY`` (its name and its parser).
+"""The environment variables of the emulator: ``CPDPKIT_TOPOLOGY`` and ``CPDPKIT_FAULTS`` (names, parsers).
 
 ``cpdpkit launch --topology NAME|FILE`` sets it for the ranks torchrun starts;
 :func:`cpdpkit.init_distributed` reads it here (and nowhere else) to decide whether to emulate.
 Its value is a preset name (``lan``, ``wan``, ``wan-variable``, ``cluster``) or a path to a topology TOML file.
 Unset or empty means: no emulation.
+
+``CPDPKIT_FAULTS`` names faults to inject (:class:`cpdpkit.network.FaultPlan`): a TOML file
+(its ``[faults]`` table, or the file's top-level keys) or the one-line form
+``seed=1;latency_spikes:probability=0.1,extra_s=0.05;dead_peer:rank=1,at_collective=20``. It
+overrides the topology's own ``[faults]`` table; unset or empty: the topology's (or none).
 
 It lives outside :mod:`cpdpkit.emulator` because importing any sub-module of that package first
 runs the package's ``__init__``, which imports torch; the launcher (and so the CLI) needs the
@@ -13,13 +18,18 @@ variable's name without paying for torch. :mod:`cpdpkit.emulator.env` re-exports
 from __future__ import annotations
 
 import os
+import tomllib
 from collections.abc import Mapping
+from pathlib import Path
 
+from cpdpkit.errors import TopologyError
+from cpdpkit.network import FaultPlan
 from cpdpkit.topology import Topology, resolve_topology
 
-__all__ = ["TOPOLOGY_ENV", "topology_from_env"]
+__all__ = ["FAULTS_ENV", "TOPOLOGY_ENV", "faults_from_env", "topology_from_env"]
 
 TOPOLOGY_ENV = "CPDPKIT_TOPOLOGY"
+FAULTS_ENV = "CPDPKIT_FAULTS"
 
 
 def topology_from_env(environ: Mapping[str, str] | None = None, *, world_size: int | None = None) -> Topology | None:
@@ -29,3 +39,20 @@ def topology_from_env(environ: Mapping[str, str] | None = None, *, world_size: i
     if not spec:
         return None
     return resolve_topology(spec, world_size=world_size)
+
+
+def faults_from_env(environ: Mapping[str, str] | None = None) -> FaultPlan | None:
+    """The faults named by ``CPDPKIT_FAULTS`` (a TOML path or the one-line form), or ``None``."""
+    env = os.environ if environ is None else environ
+    spec = env.get(FAULTS_ENV, "").strip()
+    if not spec:
+        return None
+    if spec.endswith(".toml"):
+        try:
+            data = tomllib.loads(Path(spec).read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise TopologyError(f"{FAULTS_ENV} = {spec!r} cannot be read ({exc.strerror}); check the path") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise TopologyError(f"{FAULTS_ENV} = {spec!r} is not valid TOML ({exc}); fix the syntax") from None
+        return FaultPlan.from_mapping(data.get("faults", data), where=f"{spec} [faults]")
+    return FaultPlan.parse(spec, where=FAULTS_ENV)

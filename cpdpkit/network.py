@@ -41,6 +41,54 @@ schedule use ``time_s`` (the unjittered mean), the emulator a sampled time per c
 over many collectives the two agree. The range is [sampled(-1, -1), sampled(+1, +1)]
 (:meth:`NetworkGroup.time_range_s`).
 
+Groups spanning tiers (:meth:`NetworkGroup.of`). A group whose ranks sit on several nodes or
+sites is split into *levels*, fastest first: ``f0`` ranks per node (intra-node tier), ``f1`` nodes
+per site (inter-node tier), ``f2`` sites (inter-site tier); ``U_i = f0·…·f_{i-1}`` ranks of the
+group share one level-``i`` uplink (a node's link to the next tier, a site's WAN link), ``U_0 = 1``.
+Two algorithms are priced and the cheaper wins (ties keep the flat one, so one-tier numbers never
+change):
+
+* *flat*: the module table on the group's slowest tier, all ``p`` ranks (gloo's ring, and NCCL's
+  ring: ranks of a node are consecutive, so each ring crosses each node's uplink once per step and
+  no uplink carries two ring edges);
+* *hierarchical* (NCCL's tree/CollNet and the two-level all-reduce of Horovod/torchtitan HSDP:
+  reduce-scatter inside each unit, the level above on ``1/U_i`` of the data from all ``U_i`` ranks
+  at once, all-gather back): per level ``i`` the ``f_i``-rank formula, with the ``U_i`` concurrent
+  senders sharing the uplink, so the uplink carries the *unit's* bytes at the tier's bandwidth:
+
+  =============== ==============================================================
+  all_reduce      Σ_i 2(f_i-1)α_i + 2(f_i-1)/f_i · n / B_i
+  all_gather,     Σ_i  (f_i-1)α_i +  (f_i-1)/f_i · n / B_i
+  reduce_scatter
+  broadcast       Σ_i  min(tree, scatter+all_gather) of f_i ranks (one sender per unit)
+  barrier         Σ_i ⌈log2 f_i⌉α_i
+  =============== ==============================================================
+
+  i.e. the slow tier carries ``n·(f-1)/f`` per unit and direction (all_reduce: twice), shared by
+  its ``U_i`` ranks; a rank's own wire bytes at level ``i`` are that divided by ``U_i``.
+* all_to_all has no hierarchical form; its pairwise exchange sends ``(U_{i+1}-U_i)/p·n`` of each
+  rank's bytes over level ``i``, and the ``U_i`` ranks behind one uplink send at once:
+  ``Σ_i (U_{i+1}-U_i)α_i + U_i(U_{i+1}-U_i)/p · n / B_i`` (one tier: the table's row).
+
+Sources: the per-level α-β terms are Thakur, Rabenseifner & Gropp, "Optimization of Collective
+Communication Operations in MPICH" (2005); the two-level all-reduce is Horovod's hierarchical
+all-reduce (Sergeev & Del Balso, 2018) and NCCL's tree/CollNet; "the uplink carries n(f-1)/f per
+node" is NCCL's bus-bandwidth accounting (nccl-tests, PERFORMANCE.md) applied per level.
+
+A group whose nodes hold different numbers of its ranks (or sites different numbers of nodes) is
+priced flat. On a multi-tier group ``time_s = latency_term_s + bandwidth_term_s`` still holds
+(``Σ steps_i·α_i`` and ``Σ bytes_i/B_i``), ``wire_bytes`` is the rank's bytes over all tiers and
+``tier_bytes`` splits them; jitter applies the slowest tier's fractions to both terms.
+
+Contention between groups. :attr:`NetworkGroup.uplinks` names the shared uplinks a group's
+collectives cross (``node<i>`` when nodes hold several ranks, ``site<j>`` when sites hold several
+nodes). Collectives of different groups that cross one uplink at the same time share it:
+:func:`concurrent_time_s` is the model (they finish, together, after the sum of their times, as two
+TCP flows on one link do: measured 2.05-2.12x for two concurrent all-reduces over one shaped link),
+and the emulator books each uplink as a first-come-first-served timeline, which gives the same
+makespan. ``NetworkGroup.cost(op, n, concurrent=k)`` prices one of ``k`` identical groups running
+at once over the same uplinks (HSDP's replicate groups: one per local rank).
+
 Nothing here imports torch or needs a process group (the profiler and ``cpdpkit plan`` use it).
 """
 
@@ -48,6 +96,8 @@ from __future__ import annotations
 
 import math
 import random
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import InitVar, asdict, dataclass
 from typing import Any
 
@@ -58,9 +108,11 @@ __all__ = [
     "COLLECTIVE_OPS",
     "LOCAL_TIER",
     "CollectiveCost",
+    "FaultPlan",
     "NetworkGroup",
     "Tier",
     "alpha_beta_cost",
+    "concurrent_time_s",
     "jitter_draws",
     "sampled_time_s",
 ]
@@ -158,9 +210,22 @@ class CollectiveCost:
     wire_bytes: int
     latency_term_s: float = 0.0
     bandwidth_term_s: float = 0.0
+    # (tier, wire bytes per rank) for each tier the collective uses; one entry on a one-tier group
+    tier_bytes: tuple[tuple[str, int], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def concurrent_time_s(costs: Iterable[CollectiveCost]) -> float:
+    """Seconds until the last of ``costs`` ends when they start together over one shared uplink.
+
+    The uplink's bandwidth is shared: together they take the sum of their times (fair sharing
+    ends them all then; first-come-first-served, the emulator's booking, ends the first earlier
+    and the last then). The latency terms are summed too, which over-counts them by at most the
+    largest one: negligible wherever contention matters.
+    """
+    return sum(c.time_s for c in costs)
 
 
 def _check_op(op: str) -> None:
@@ -230,20 +295,89 @@ def sampled_time_s(cost: CollectiveCost, tier: Tier | None, u_latency: float, u_
             + cost.bandwidth_term_s * (1.0 + tier.bandwidth_jitter_frac * u_bandwidth))
 
 
+Level = tuple[Tier, int]  # (the tier of a level, f: how many units of the level below it joins)
+
+
+def _hierarchical_terms(op: str, num_bytes: int, levels: Sequence[Level]) -> tuple[float, float, list[float]]:
+    """``(Σ steps·α, Σ bytes/B, [wire bytes per rank at each level])`` of ``op`` run level by level
+    (the module docstring's table): each uplink carries its unit's bytes, shared by ``U_i`` ranks."""
+    latency_s = bandwidth_s = 0.0
+    per_rank: list[float] = []
+    sharing = 1  # U_i: ranks of the group behind one uplink of this level
+    for tier, f in levels:
+        if op == "all_reduce":
+            steps, unit_bytes = 2 * (f - 1), 2 * (f - 1) / f * num_bytes
+        elif op in ("all_gather", "reduce_scatter"):
+            steps, unit_bytes = f - 1, (f - 1) / f * num_bytes
+        else:  # broadcast, barrier: the f-rank algorithm, one sender per unit
+            _, level_latency_s, unit_bytes = _alpha_beta_terms(op, num_bytes, f, tier.latency_s,
+                                                               tier.bandwidth_bytes_per_s)
+            steps = 0
+            latency_s += level_latency_s
+        latency_s += steps * tier.latency_s
+        bandwidth_s += unit_bytes / tier.bandwidth_bytes_per_s
+        per_rank.append(unit_bytes / sharing)
+        sharing *= f
+    return latency_s, bandwidth_s, per_rank
+
+
+def _all_to_all_terms(num_bytes: int, levels: Sequence[Level]) -> tuple[float, float, list[float]]:
+    """Pairwise all_to_all over levels: ``U_i`` ranks behind one uplink send their share at once."""
+    p = math.prod(f for _, f in levels)
+    latency_s = bandwidth_s = 0.0
+    per_rank: list[float] = []
+    below = 1
+    for tier, f in levels:
+        peers = below * f - below  # ranks reached over this level
+        latency_s += peers * tier.latency_s
+        per_rank.append(peers / p * num_bytes)
+        bandwidth_s += below * per_rank[-1] / tier.bandwidth_bytes_per_s
+        below *= f
+    return latency_s, bandwidth_s, per_rank
+
+
 class NetworkGroup:
     """The network model of one group of global ranks: its tier and each collective's cost.
 
-    Obtain one from :meth:`cpdpkit.topology.Topology.group`. The tier is the group's slowest
-    link (``None`` for a single rank, whose :attr:`tier_name` is ``"LOCAL"``). Costs are
-    memoised per ``(op, num_bytes)``: a group is asked the same sizes every step.
+    Obtain one from :meth:`cpdpkit.topology.Topology.group` (built by :meth:`of`). The tier is
+    the group's slowest link (``None`` for a single rank, whose :attr:`tier_name` is
+    ``"LOCAL"``); :attr:`levels` its tiers with their fan-outs, fastest first, when the group
+    spans tiers evenly (module docstring); :attr:`uplinks` the shared uplinks its collectives
+    cross. Costs are memoised per ``(op, num_bytes, concurrent)``: a group is asked the same
+    sizes every step.
     """
 
-    __slots__ = ("ranks", "tier", "_costs")
+    __slots__ = ("ranks", "tier", "levels", "uplinks", "_costs")
 
-    def __init__(self, ranks: tuple[int, ...], tier: Tier | None) -> None:
+    def __init__(self, ranks: tuple[int, ...], tier: Tier | None, *, levels: Sequence[Level] = (),
+                 uplinks: Sequence[str] = ()) -> None:
         self.ranks = ranks
         self.tier = tier
-        self._costs: dict[tuple[str, int], CollectiveCost] = {}
+        self.levels: tuple[Level, ...] = tuple(levels)
+        self.uplinks: tuple[str, ...] = tuple(uplinks)
+        self._costs: dict[tuple[str, int, int], CollectiveCost] = {}
+
+    @classmethod
+    def of(cls, topology: Any, members: tuple[int, ...]) -> NetworkGroup:
+        """The group of ``members`` (sorted, distinct) on a placed ``topology``: its slowest tier,
+        its levels when each node holds as many of its ranks and each site as many of its nodes,
+        and the uplinks shared with other groups (a node's when nodes hold several ranks, a
+        site's when sites hold several nodes)."""
+        tier = topology.tier_of(members)
+        if len(members) < 2:
+            return cls(members, tier)
+        rpn, nps = topology.ranks_per_node, topology.nodes_per_site
+        per_node = Counter(r // rpn for r in members)
+        nodes_per_site = Counter(node // nps for node in per_node)
+        uplinks = [f"node{n}" for n in sorted(per_node)] if len(per_node) > 1 and rpn > 1 else []
+        if len(nodes_per_site) > 1 and nps > 1:
+            uplinks += [f"site{s}" for s in sorted(nodes_per_site)]
+        levels: list[Level] = []
+        if len(set(per_node.values())) == 1 and len(set(nodes_per_site.values())) == 1:
+            fan_outs = (next(iter(per_node.values())), next(iter(nodes_per_site.values())), len(nodes_per_site))
+            names = (topology.intra_node_tier, topology.inter_node_tier, topology.inter_site_tier)
+            levels = [(topology.tier(name), f) for name, f in zip(names, fan_outs) if f > 1]
+        return cls(members, tier, levels=levels if len(levels) > 1 else (), uplinks=uplinks)
 
     @property
     def num_ranks(self) -> int:
@@ -253,27 +387,51 @@ class NetworkGroup:
     def tier_name(self) -> str:
         return self.tier.name if self.tier is not None else LOCAL_TIER
 
-    def cost(self, op: str, num_bytes: int) -> CollectiveCost:
-        """The modeled cost of ``op`` moving ``num_bytes`` in this group (see the module table)."""
-        key = (op, num_bytes)
+    def cost(self, op: str, num_bytes: int, *, concurrent: int = 1) -> CollectiveCost:
+        """The modeled cost of ``op`` moving ``num_bytes`` in this group (see the module doc).
+
+        ``concurrent`` identical groups running it at once over the same uplinks share them: the
+        time of one is then :func:`concurrent_time_s` of all (``concurrent`` times its own).
+        """
+        key = (op, num_bytes, concurrent)
         cost = self._costs.get(key)
         if cost is None:
             if not isinstance(num_bytes, int) or isinstance(num_bytes, bool) or num_bytes < 0:
                 raise TopologyError(f"num_bytes = {num_bytes!r} is invalid; pass a whole number of bytes >= 0")
-            p = len(self.ranks)
-            if self.tier is None:
-                _check_op(op)
-                algorithm, latency_term_s, bandwidth_term_s, wire = "local", 0.0, 0.0, 0.0
-            else:
-                algorithm, latency_term_s, wire = _alpha_beta_terms(op, num_bytes, p, self.tier.latency_s,
-                                                                    self.tier.bandwidth_bytes_per_s)
-                bandwidth_term_s = wire * (1.0 / self.tier.bandwidth_bytes_per_s)  # as alpha_beta_cost, bit for bit
-            cost = CollectiveCost(op=op, num_bytes=num_bytes, num_ranks=p, tier=self.tier_name,
-                                  algorithm=algorithm, time_s=latency_term_s + bandwidth_term_s,
-                                  wire_bytes=int(round(wire)), latency_term_s=latency_term_s,
-                                  bandwidth_term_s=bandwidth_term_s)
+            if not isinstance(concurrent, int) or isinstance(concurrent, bool) or concurrent < 1:
+                raise TopologyError(f"concurrent = {concurrent!r} is invalid; pass a whole number of groups >= 1")
+            cost = self._cost(op, num_bytes)
+            if concurrent > 1:
+                cost = CollectiveCost(**{**cost.to_dict(), "tier_bytes": cost.tier_bytes,
+                                         "time_s": concurrent_time_s([cost] * concurrent),
+                                         "latency_term_s": cost.latency_term_s * concurrent,
+                                         "bandwidth_term_s": cost.bandwidth_term_s * concurrent})
             self._costs[key] = cost
         return cost
+
+    def _cost(self, op: str, num_bytes: int) -> CollectiveCost:
+        p = len(self.ranks)
+        if self.tier is None:
+            _check_op(op)
+            return CollectiveCost(op=op, num_bytes=num_bytes, num_ranks=p, tier=self.tier_name, algorithm="local",
+                                  time_s=0.0, wire_bytes=0)
+        algorithm, latency_term_s, wire = _alpha_beta_terms(op, num_bytes, p, self.tier.latency_s,
+                                                            self.tier.bandwidth_bytes_per_s)
+        bandwidth_term_s = wire * (1.0 / self.tier.bandwidth_bytes_per_s)  # as alpha_beta_cost, bit for bit
+        tier_bytes: tuple[tuple[str, int], ...] = ((self.tier_name, int(round(wire))),) if wire else ()
+        if self.levels and op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier",
+                                  "all_to_all"):
+            terms = (_all_to_all_terms(num_bytes, self.levels) if op == "all_to_all"
+                     else _hierarchical_terms(op, num_bytes, self.levels))
+            if op == "all_to_all" or sum(terms[:2]) < latency_term_s + bandwidth_term_s:
+                algorithm = "pairwise" if op == "all_to_all" else "hierarchical"
+                latency_term_s, bandwidth_term_s, per_level = terms
+                wire = sum(per_level)
+                tier_bytes = tuple((t.name, int(round(b))) for (t, _), b in zip(self.levels, per_level) if b)
+        return CollectiveCost(op=op, num_bytes=num_bytes, num_ranks=p, tier=self.tier_name,
+                              algorithm=algorithm, time_s=latency_term_s + bandwidth_term_s,
+                              wire_bytes=int(round(wire)), latency_term_s=latency_term_s,
+                              bandwidth_term_s=bandwidth_term_s, tier_bytes=tier_bytes)
 
     def sampled_time_s(self, cost: CollectiveCost, u_latency: float, u_bandwidth: float) -> float:
         """``cost`` (one of this group's) for one pair of draws: :func:`sampled_time_s` on this tier."""
@@ -293,3 +451,177 @@ class NetworkGroup:
 
     def __repr__(self) -> str:
         return f"NetworkGroup(ranks={len(self.ranks)}, tier={self.tier_name})"
+
+
+# ---- injected faults (the emulator applies them; seeded) ------------------------------------------
+_FAULT_KINDS = ("latency_spikes", "slow_rank", "link_down", "dead_peer")
+
+
+def _fault_number(path: str, value: Any, *, minimum: float = 0.0, whole: bool = False) -> Any:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= minimum
+    if ok and whole:
+        ok = float(value).is_integer()
+    if not ok:
+        kind = "a whole number" if whole else "a finite number"
+        raise TopologyError(f"faults.{path} = {value!r} is invalid; set it to {kind} >= {minimum:g}")
+    return int(value) if whole else float(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultPlan:
+    """Faults the emulator injects, seeded (one ``seed`` replays the same faults on every rank).
+
+    * ``latency_spikes = {probability, extra_s}``: each collective, with ``probability`` (its
+      own draw of ``(seed, group, sequence number)``, the same on every rank), takes ``extra_s``
+      longer.
+    * ``slow_rank = {rank, factor = 1, extra_s = 0}``: that rank arrives ``extra_s`` late at each
+      collective it issues (it sleeps before issuing: a straggler every other member waits for),
+      and every collective of a group holding it takes ``factor`` times its modeled time.
+    * ``link_down = {tier | pair, start_s, duration_s}``: collectives of the groups that cross
+      ``tier`` (or hold both ranks of ``pair``) cannot use the link from ``start_s`` seconds after
+      the emulated world started, for ``duration_s``: they wait until it is back, or fail on
+      every rank of the group with one line when that is past the group's timeout.
+    * ``dead_peer = {rank, at_collective | at_s, mode = "exit"}``: that rank ends at its
+      ``at_collective``-th collective (or the first one ``at_s`` seconds after the start):
+      ``exit`` exits (code 1), ``hang`` stops answering (sleeps) until past the timeout, then exits.
+      The others end within their timeout with one line naming the op, the group and the ranks
+      that did not arrive.
+    """
+
+    seed: int = 0
+    latency_spikes: tuple[float, float] | None = None  # (probability, extra_s)
+    slow_rank: tuple[int, float, float] | None = None  # (rank, factor, extra_s)
+    # (tier, pair, start_s, duration_s)
+    link_down: tuple[str | None, tuple[int, int] | None, float, float] | None = None
+    dead_peer: tuple[int, int | None, float | None, str] | None = None  # (rank, at_collective, at_s, mode)
+
+    def __post_init__(self) -> None:
+        _fault_number("seed", self.seed, whole=True)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.latency_spikes or self.slow_rank or self.link_down or self.dead_peer)
+
+    @classmethod
+    def from_mapping(cls, data: Any, *, where: str = "[faults]") -> FaultPlan:
+        """A plan from a ``[faults]`` table (TOML) or the same keys in a dict."""
+        if not isinstance(data, dict):
+            raise TopologyError(f"{where} must be a table, got {data!r}")
+        for key in data:
+            if key != "seed" and key not in _FAULT_KINDS:
+                raise TopologyError(f"{where}: unknown key {key!r}; use seed or one of {', '.join(_FAULT_KINDS)}")
+        out: dict[str, Any] = {"seed": _fault_number("seed", data.get("seed", 0), whole=True)}
+        for kind in _FAULT_KINDS:
+            if kind in data:
+                spec = data[kind]
+                if not isinstance(spec, dict):
+                    raise TopologyError(f"{where}: {kind} must be a table such as {_FAULT_EXAMPLES[kind]}, "
+                                        f"got {spec!r}")
+                out[kind] = _FAULT_PARSERS[kind](spec)
+        return cls(**out)
+
+    @classmethod
+    def parse(cls, text: str, *, where: str = "CPDPKIT_FAULTS") -> FaultPlan:
+        """The one-line form of ``CPDPKIT_FAULTS``: ``seed=3;slow_rank:rank=1,extra_s=0.02;...``
+        (``kind:key=value,...`` parts; a pair as ``pair=0-1``)."""
+        data: dict[str, Any] = {}
+        for part in (p.strip() for p in text.split(";")):
+            if not part:
+                continue
+            kind, sep, body = part.partition(":")
+            if not sep:
+                key, eq, value = part.partition("=")
+                if key.strip() != "seed" or not eq:
+                    raise TopologyError(f"{where}: {part!r} is not 'seed=N' nor 'kind:key=value,...'; "
+                                        f"e.g. {_FAULT_EXAMPLE_LINE}")
+                data["seed"] = _parse_value(value)
+                continue
+            spec: dict[str, Any] = {}
+            for item in (i.strip() for i in body.split(",") if i.strip()):
+                key, eq, value = item.partition("=")
+                if not eq:
+                    raise TopologyError(f"{where}: {item!r} in {kind.strip()!r} is not key=value; "
+                                        f"e.g. {_FAULT_EXAMPLE_LINE}")
+                spec[key.strip()] = _parse_value(value.strip())
+            data[kind.strip()] = spec
+        return cls.from_mapping(data, where=where)
+
+
+_FAULT_EXAMPLE_LINE = "seed=1;latency_spikes:probability=0.1,extra_s=0.05;dead_peer:rank=1,at_collective=20"
+_FAULT_EXAMPLES = {
+    "latency_spikes": "{probability = 0.1, extra_s = 0.05}",
+    "slow_rank": "{rank = 1, factor = 1.5, extra_s = 0.01}",
+    "link_down": '{tier = "WAN", start_s = 2.0, duration_s = 1.0}',
+    "dead_peer": '{rank = 1, at_collective = 20, mode = "exit"}',
+}
+
+
+def _parse_value(text: str) -> Any:
+    text = text.strip()
+    if "-" in text[1:] and all(p.strip().isdigit() for p in text.split("-")):
+        return [int(p) for p in text.split("-")]  # a pair: 0-1
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text.strip("'\"")
+
+
+def _keys(kind: str, spec: dict[str, Any], allowed: set[str], required: set[str]) -> None:
+    for key in spec:
+        if key not in allowed:
+            raise TopologyError(f"faults.{kind}: unknown key {key!r}; use {', '.join(sorted(allowed))}")
+    for key in required - set(spec):
+        raise TopologyError(f"faults.{kind}: {key} is missing; e.g. {kind} = {_FAULT_EXAMPLES[kind]}")
+
+
+def _parse_spikes(spec: dict[str, Any]) -> tuple[float, float]:
+    _keys("latency_spikes", spec, {"probability", "extra_s"}, {"probability", "extra_s"})
+    probability = _fault_number("latency_spikes.probability", spec["probability"])
+    if probability > 1:
+        raise TopologyError(f"faults.latency_spikes.probability = {probability!r} is invalid; set it in [0, 1]")
+    return probability, _fault_number("latency_spikes.extra_s", spec["extra_s"])
+
+
+def _parse_slow_rank(spec: dict[str, Any]) -> tuple[int, float, float]:
+    _keys("slow_rank", spec, {"rank", "factor", "extra_s"}, {"rank"})
+    factor = _fault_number("slow_rank.factor", spec.get("factor", 1.0), minimum=1.0)
+    return (_fault_number("slow_rank.rank", spec["rank"], whole=True), factor,
+            _fault_number("slow_rank.extra_s", spec.get("extra_s", 0.0)))
+
+
+def _parse_link_down(spec: dict[str, Any]) -> tuple[str | None, tuple[int, int] | None, float, float]:
+    _keys("link_down", spec, {"tier", "pair", "start_s", "duration_s"}, {"start_s", "duration_s"})
+    tier, pair = spec.get("tier"), spec.get("pair")
+    if (tier is None) == (pair is None):
+        raise TopologyError(f"faults.link_down needs exactly one of tier or pair; e.g. {_FAULT_EXAMPLES['link_down']}"
+                            " or pair = [0, 1]")
+    if tier is not None and not (isinstance(tier, str) and tier):
+        raise TopologyError(f"faults.link_down.tier = {tier!r} is invalid; name a tier such as \"WAN\"")
+    if pair is not None:
+        if not (isinstance(pair, list | tuple) and len(pair) == 2):
+            raise TopologyError(f"faults.link_down.pair = {pair!r} is invalid; give two ranks such as [0, 1]")
+        pair = tuple(sorted(_fault_number("link_down.pair", r, whole=True) for r in pair))
+    return (tier, pair, _fault_number("link_down.start_s", spec["start_s"]),
+            _fault_number("link_down.duration_s", spec["duration_s"]))
+
+
+def _parse_dead_peer(spec: dict[str, Any]) -> tuple[int, int | None, float | None, str]:
+    _keys("dead_peer", spec, {"rank", "at_collective", "at_s", "mode"}, {"rank"})
+    if ("at_collective" in spec) == ("at_s" in spec):
+        raise TopologyError(f"faults.dead_peer needs exactly one of at_collective or at_s; "
+                            f"e.g. {_FAULT_EXAMPLES['dead_peer']}")
+    mode = spec.get("mode", "exit")
+    if mode not in ("exit", "hang"):
+        raise TopologyError(f"faults.dead_peer.mode = {mode!r} is invalid; use \"exit\" or \"hang\"")
+    at_collective = spec.get("at_collective")
+    at_s = spec.get("at_s")
+    return (_fault_number("dead_peer.rank", spec["rank"], whole=True),
+            None if at_collective is None else _fault_number("dead_peer.at_collective", at_collective, minimum=1,
+                                                             whole=True),
+            None if at_s is None else _fault_number("dead_peer.at_s", at_s), mode)
+
+
+_FAULT_PARSERS = {"latency_spikes": _parse_spikes, "slow_rank": _parse_slow_rank, "link_down": _parse_link_down,
+                  "dead_peer": _parse_dead_peer}

@@ -54,7 +54,7 @@ from typing import Any
 
 from cpdpkit.errors import TopologyError
 from cpdpkit.labels import format_ranks
-from cpdpkit.network import COLLECTIVE_OPS, CollectiveCost, NetworkGroup, Tier
+from cpdpkit.network import COLLECTIVE_OPS, CollectiveCost, FaultPlan, NetworkGroup, Tier
 
 __all__ = [
     "Tier",
@@ -74,12 +74,26 @@ _PLACEMENT_FIELDS = ("ranks_per_node", "nodes_per_site", "num_sites")
 _LEVEL_FIELDS = ("intra_node_tier", "inter_node_tier", "inter_site_tier")
 
 
+_MAX_COUNT = 2**31 - 1  # torch.distributed's ranks and world sizes are 32-bit ints
+
+
 def _check_count(path: str, value: Any, *, allow_none: bool) -> None:
     if value is None and allow_none:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         hint = ' (or "auto" in a TOML [placement])' if allow_none else ""
-        raise TopologyError(f"{path} = {value!r} is invalid; set it to a whole number >= 1{hint}")
+        raise TopologyError(f"{path} = {_short_repr(value)} is invalid; set it to a whole number >= 1{hint}")
+    if value > _MAX_COUNT:
+        raise TopologyError(f"{path} = {_short_repr(value)} is too large; set it to a whole number <= {_MAX_COUNT}")
+
+
+def _short_repr(value: Any) -> str:
+    """``repr(value)``, cut in the middle past 60 characters (a fuzzed file may hold a 400-digit number)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's 4,300-digit str() limit
+        return f"<a {value.bit_length()}-bit integer>"
+    return text if len(text) <= 60 else f"{text[:28]}...{text[-28:]} ({len(text)} characters)"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,13 +113,17 @@ class Topology:
     nodes_per_site: int | None = 1
     num_sites: int | None = 1
     description: str = ""
+    faults: FaultPlan | None = None  # the TOML's [faults] table (the emulator injects them); not written by to_toml
     # NetworkGroup per sorted rank tuple; not part of the topology's identity
     _groups: dict[tuple[int, ...], NetworkGroup] = field(
         default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
-            raise TopologyError(f"name = {self.name!r} is invalid; give the topology a non-empty name")
+            raise TopologyError(f"name = {_short_repr(self.name)} is invalid; give the topology a non-empty name")
+        if not isinstance(self.description, str):
+            raise TopologyError(f"topology {self.name!r}: description = {_short_repr(self.description)} is invalid; "
+                                "make it a string")
         object.__setattr__(self, "tiers", tuple(self.tiers))
         if not self.tiers or not all(isinstance(t, Tier) for t in self.tiers):
             raise TopologyError(
@@ -128,6 +146,9 @@ class Topology:
     def _check_levels(self, names: list[str]) -> None:
         for path in _LEVEL_FIELDS:
             value = getattr(self, path)
+            if value is not None and not isinstance(value, str):
+                raise TopologyError(f"topology {self.name!r}: {path} = {_short_repr(value)} is invalid; "
+                                    f"name a tier, one of {', '.join(names)}")
             if value is not None and value not in names:
                 raise TopologyError(
                     f"topology {self.name!r}: {path} = {value!r} is not a defined tier; "
@@ -274,7 +295,7 @@ class Topology:
         if found is None:
             if not members:
                 raise TopologyError("a group needs at least one rank; pass the group's global ranks")
-            found = self._groups.setdefault(members, NetworkGroup(members, self.tier_of(members)))
+            found = self._groups.setdefault(members, NetworkGroup.of(self, members))
         return found
 
     def collective_cost(self, op: str, num_bytes: int, ranks: Iterable[int]) -> CollectiveCost:
@@ -399,7 +420,7 @@ def preset(name: str, *, world_size: int | None = None, ranks_per_node: int | No
 
 # ---- TOML --------------------------------------------------------------------------------------
 _AUTO_TOML = '"auto"'  # a placement count derived from the world size by place()
-_TOP_KEYS = {"name", "description", "placement", "levels", "tiers"}
+_TOP_KEYS = {"name", "description", "placement", "levels", "tiers", "faults"}
 _TIER_KEYS = {"latency_s", "bandwidth_bytes_per_s", "latency_jitter_frac", "bandwidth_jitter_frac"}
 _OLD_TIER_KEYS = {"jitter_frac"}  # still read (network.Tier maps it), never written nor suggested
 _LEVEL_KEYS = {"intra_node", "inter_node", "inter_site"}
@@ -413,8 +434,16 @@ def _reject_unknown(where: str, keys: Iterable[str], allowed: set[str], old: Ite
 
 def _table(where: str, value: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise TopologyError(f"{where} must be a table ([{where}]), got {value!r}")
+        raise TopologyError(f"{where} must be a table ([{where}]), got {_short_repr(value)}")
     return value
+
+
+def _check_float_range(where: str, spec: Mapping[str, Any]) -> None:
+    """An integer too large for a float (``latency_s = 1e400`` written out in digits) named before Tier sees it."""
+    for key, value in spec.items():
+        if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 1000:
+            raise TopologyError(f"{where}: {key} = {_short_repr(value)} is too large; set it to a finite number "
+                                "such as 8.3e-3 (latency_s) or 125e6 (bandwidth_bytes_per_s)")
 
 
 def parse_topology_toml(text: str, *, source: str = "<string>") -> Topology:
@@ -423,6 +452,10 @@ def parse_topology_toml(text: str, *, source: str = "<string>") -> Topology:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise TopologyError(f"{source}: not valid TOML ({exc}); fix the syntax") from None
+    except RecursionError:  # tomllib recurses once per nested array or inline table
+        raise TopologyError(f"{source}: not valid TOML (arrays or tables nested too deeply); fix the syntax") from None
+    except ValueError as exc:  # an integer past Python's 4,300-digit limit
+        raise TopologyError(f"{source}: not valid TOML ({exc}); fix the value") from None
     _reject_unknown(source, data, _TOP_KEYS)
     placement = _table("placement", data.get("placement", {}))
     _reject_unknown(f"{source} [placement]", placement, set(_PLACEMENT_FIELDS))
@@ -435,6 +468,7 @@ def parse_topology_toml(text: str, *, source: str = "<string>") -> Topology:
         for key in ("latency_s", "bandwidth_bytes_per_s"):
             if key not in spec:
                 raise TopologyError(f"{source} [tiers.{tier_name}]: {key} is missing; add {key} = <number>")
+        _check_float_range(f"{source} [tiers.{tier_name}]", spec)
         tiers.append(Tier(name=tier_name, **spec))
     counts = {p: (None if placement.get(p, 1) == "auto" else placement.get(p, 1)) for p in _PLACEMENT_FIELDS}
     if "ranks_per_node" not in placement:
@@ -446,6 +480,7 @@ def parse_topology_toml(text: str, *, source: str = "<string>") -> Topology:
         intra_node_tier=levels.get("intra_node"),  # type: ignore[arg-type]
         inter_node_tier=levels.get("inter_node"),
         inter_site_tier=levels.get("inter_site"),
+        faults=FaultPlan.from_mapping(data["faults"], where=f"{source} [faults]") if "faults" in data else None,
         **counts,
     )
 
@@ -457,7 +492,15 @@ def load_topology(path: str | Path) -> Topology:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise TopologyError(f"topology file {str(p)!r} cannot be read ({exc.strerror}); check the path") from None
-    return parse_topology_toml(text, source=str(p))
+    except UnicodeDecodeError as exc:
+        raise TopologyError(f"topology file {str(p)!r} is not UTF-8 text (byte {exc.start}: {exc.reason}); "
+                            "save it as UTF-8") from None
+    try:
+        return parse_topology_toml(text, source=str(p))
+    except TopologyError as exc:  # every message names the file, not only the parser's own
+        if str(p) in str(exc):
+            raise
+        raise TopologyError(f"{p}: {exc}") from None
 
 
 def resolve_topology(spec: str, *, world_size: int | None = None, ranks_per_node: int | None = None) -> Topology:

@@ -221,13 +221,14 @@ def every_path(rank: int, world: int) -> dict[str, Any]:
     }
 
 
-def profiler_events(rank: int, out: str) -> dict[str, Any]:
+def profiler_events(rank: int, out: str, gloo: Any) -> dict[str, Any]:
     """One all-reduce under each profiler mode; return the emu event as exported in the trace."""
     x = torch.ones(TIMED_BYTES // 4)
     found: dict[str, Any] = {}
     for mode, config in (("all_threads", _ExperimentalConfig(profile_all_threads=True)), ("default", None)):
         kwargs = {"experimental_config": config} if config is not None else {}
         with torch.profiler.profile(**kwargs) as prof:
+            dist.barrier(gloo)  # the event runs from this rank's arrival: arrive together
             dist.all_reduce(x)
         path = os.path.join(out, f"trace-{mode}-{rank}.json")
         prof.export_chrome_trace(path)
@@ -310,7 +311,7 @@ def job_two_ranks(rank: int, world: int, gloo: Any, out: str) -> dict[str, Any]:
     result: dict[str, Any] = {"times": collective_times(world, gloo), "overlap": overlap_times(gloo)}
     result.update(ddp_and_allreduce_identical(rank, world, gloo))
     result.update(every_path(rank, world))
-    result["profiler"] = profiler_events(rank, out)
+    result["profiler"] = profiler_events(rank, out, gloo)
     result.update(counters(gloo))
     result.update(meter_semantics())
     result.update(jittered_collectives(rank, world, gloo))

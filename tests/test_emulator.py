@@ -26,6 +26,7 @@ from cpdpkit.network import jitter_draws
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
 
 TIMED_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+BARRIER_SKEW_S = 0.005
 PATH_KINDS = {"all_reduce": 2, "all_gather": 2, "reduce_scatter": 2, "broadcast": 1, "barrier": 2,
               "all_to_all": 1, "send_recv": 1}
 
@@ -54,10 +55,12 @@ def test_two_rank_time_matches_model(two: list[dict[str, Any]], op: str) -> None
 
 @pytest.mark.parametrize("op", TIMED_OPS)
 def test_four_rank_time_matches_model(four: list[dict[str, Any]], op: str) -> None:
-    modeled = _modeled_s(op, 4, jobs.FOUR_RANK_BYTES)
+    modeled = _modeled_s(op, 4, jobs.FOUR_RANK_BYTES)  # 2 sites x 2 ranks: hierarchical since issue 15
     assert modeled >= 0.02
     for rank in four:
-        assert modeled * 0.99 <= rank["times"][op] <= modeled * 1.10, (op, rank["times"][op], modeled)
+        # Each rank times from its own exit of a gloo barrier, and (issue 15) completes at the *last*
+        # rank's arrival + modeled: 4 processes on 2 shared cores leave the barrier up to a few ms apart.
+        assert modeled * 0.99 <= rank["times"][op] <= modeled * 1.10 + BARRIER_SKEW_S, (op, rank["times"][op], modeled)
 
 
 def test_async_all_reduce_overlaps_compute(two: list[dict[str, Any]]) -> None:
@@ -155,7 +158,10 @@ def test_every_rank_of_a_group_samples_the_same_jittered_time(two: list[dict[str
 
 def test_collective_times_out_instead_of_hanging(two: list[dict[str, Any]]) -> None:
     rank0 = two[0]
-    assert rank0["timeout_error"] and "Timed out" in rank0["timeout_error"]
+    # since issue 15 the emulator's arrival exchange notices first and names the missing rank in one line
+    assert rank0["timeout_error"], rank0
+    assert rank0["timeout_error"].startswith(
+        "emu all_reduce on group world (ranks 0-1): ranks [1] did not arrive within 2 s; a rank died or hung"), rank0
     assert 1.5 <= rank0["timeout_after_s"] <= 10
 
 

@@ -33,10 +33,14 @@ def test_time_is_steps_alpha_plus_wire_beta(op: str, n: int, p: int) -> None:
 
 def test_hand_computed_group_costs() -> None:
     wan4 = preset("wan", world_size=4)
-    small = wan4.group(range(4)).cost("all_reduce", 64)  # 6α (ring) > 4α (tree)
+    # Four ranks on four sites (one tier, WAN): ring vs tree. (This used wan's 2 sites x 2 ranks,
+    # which since issue 15 spans two tiers and is priced hierarchically: test_groups_spanning_tiers.)
+    wan_only = preset("wan", ranks_per_node=1).__class__(
+        name="wan4", tiers=(wan4.tier("WAN"),), intra_node_tier="WAN", ranks_per_node=4)
+    small = wan_only.group(range(4)).cost("all_reduce", 64)  # 6α (ring) > 4α (tree)
     assert (small.algorithm, small.tier, small.wire_bytes) == ("tree", "WAN", 2 * 2 * 64)
     assert small.time_s == pytest.approx(4 * (A + 64 / BW))
-    big = wan4.group(range(4)).cost("all_reduce", 1 << 24)
+    big = wan_only.group(range(4)).cost("all_reduce", 1 << 24)
     assert (big.algorithm, big.wire_bytes) == ("ring", int(2 * 3 / 4 * (1 << 24)))
     assert big.time_s == pytest.approx(6 * A + 2 * 3 / 4 * (1 << 24) / BW)
     lan = wan4.group([0, 1])  # one site: the LAN tier
@@ -82,10 +86,19 @@ MIB = 1 << 20
 
 
 def test_cost_keeps_its_two_terms() -> None:
-    cost = preset("wan", world_size=4).group(range(4)).cost("all_reduce", 4 * MIB)  # ring, 6 steps
-    assert cost.latency_term_s == pytest.approx(6 * A)
+    cost = preset("wan", world_size=2).group([0, 1]).cost("all_reduce", 4 * MIB)  # ring
+    assert cost.latency_term_s == pytest.approx(2 * A)
     assert cost.bandwidth_term_s == pytest.approx(cost.wire_bytes / BW)
     assert cost.latency_term_s + cost.bandwidth_term_s == cost.time_s
+    # wan's 2 sites x 2 ranks span LAN and WAN (issue 15: priced hierarchically, not as a 6-step
+    # ring on the WAN): per level 2(f-1)α + 2(f-1)/f·n/B, f = 2 on each
+    lan_a, lan_bw = 50e-6, 1.25e9
+    two_tier = preset("wan", world_size=4).group(range(4)).cost("all_reduce", 4 * MIB)
+    assert two_tier.algorithm == "hierarchical"
+    assert two_tier.latency_term_s == pytest.approx(2 * lan_a + 2 * A)
+    assert two_tier.bandwidth_term_s == pytest.approx(4 * MIB / lan_bw + 4 * MIB / BW)
+    assert two_tier.tier_bytes == (("LAN", 4 * MIB), ("WAN", 2 * MIB))  # the WAN's n per site, 2 ranks share it
+    assert two_tier.latency_term_s + two_tier.bandwidth_term_s == two_tier.time_s
 
 
 def test_sampled_time_for_hand_chosen_draws() -> None:

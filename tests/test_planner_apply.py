@@ -66,7 +66,9 @@ def test_apply_plan_matches_fsdp2_on_4_gloo_ranks(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_apply_plan_matches_fsdp2_over_the_emulated_backend(tmp_path):
-    hsdp = _plan(jobs.FAST_WAN, 4)
+    # shard_size=2 pins HSDP: since issue 15 the network model prices the 4-rank FSDP group (LAN and WAN)
+    # hierarchically, so on this fast WAN it ties with HSDP and wins on memory
+    hsdp = _plan(jobs.FAST_WAN, 4, shard_size=2)
     hpz = _plan("lan", 4, reshard_after_forward=2)  # int reshard keeps Shard(0) (FSDP2 limitation)
     assert {u.reshard_after_forward for u in hpz.units if not u.is_root} == {2}
     assert all(p.dim == 0 for p in hpz.placements if not p.fqn.startswith(("embed", "head", "out")))

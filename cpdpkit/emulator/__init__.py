@@ -16,17 +16,22 @@ from cpdpkit.emulator.backend import (
     EmulatorConfig,
     register_emulated_backend,
 )
-from cpdpkit.emulator.env import TOPOLOGY_ENV, topology_from_env
+from cpdpkit.emulator.env import FAULTS_ENV, TOPOLOGY_ENV, faults_from_env, topology_from_env
+from cpdpkit.emulator.faults import LinkDownError, PeerLostError
 from cpdpkit.emulator.init import DistributedInfo, init_distributed
 from cpdpkit.emulator.metering import Meter, meter
 
 __all__ = [
     "BACKEND_NAME",
+    "FAULTS_ENV",
     "TOPOLOGY_ENV",
     "DistributedInfo",
     "EmulatedProcessGroup",
     "EmulatorConfig",
+    "LinkDownError",
     "Meter",
+    "PeerLostError",
+    "faults_from_env",
     "init_distributed",
     "meter",
     "register_emulated_backend",

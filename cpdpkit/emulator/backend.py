@@ -24,6 +24,11 @@ up (DDP's reducer, functional collectives) are overridden, and each group counts
 through (:func:`cpdpkit.emulator.meter` reads the counts), so a test can prove that nothing
 reached the real backend directly.
 
+Every member of a group completes a collective at (the last member's arrival + its modeled
+time), the members exchanging issue times on a side gloo group; collectives of different groups
+that cross one shared uplink queue on it; injected faults (``EmulatorConfig.faults``) apply. See
+:mod:`cpdpkit.emulator._sync` and :mod:`cpdpkit.emulator.faults`.
+
 There is no module-level state: :func:`register_emulated_backend` binds its configuration into
 the creator it registers, and the groups that creator makes share one :class:`EmulatorSession`.
 """
@@ -45,9 +50,11 @@ from torch.distributed import ProcessGroup
 
 from cpdpkit.emulator._counters import GroupCounters
 from cpdpkit.emulator._link import EmulatedWork, Link
+from cpdpkit.emulator._sync import GroupClock, UplinkBook
+from cpdpkit.emulator.faults import FaultInjector
 from cpdpkit.errors import DistributedSetupError
 from cpdpkit.labels import emu_label, format_ranks
-from cpdpkit.network import CollectiveCost, NetworkGroup, jitter_draws
+from cpdpkit.network import CollectiveCost, FaultPlan, NetworkGroup, jitter_draws
 from cpdpkit.topology import Topology
 
 __all__ = [
@@ -60,14 +67,18 @@ __all__ = [
 ]
 
 BACKEND_NAME = "emu"
+# Collectives whose transfer (the model's bandwidth term) is shorter do not book shared uplinks.
+_MIN_UPLINK_BOOKING_S = 1e-3
 
 
 @dataclass(frozen=True, kw_only=True)
 class EmulatorConfig:
-    """What the ``emu`` backend models: a placed topology and the jitter seed."""
+    """What the ``emu`` backend models: a placed topology, the jitter seed and injected faults
+    (``None``: the topology's own ``[faults]`` table, if any)."""
 
     topology: Topology
     jitter_seed: int = 0
+    faults: FaultPlan | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.topology, Topology):
@@ -78,6 +89,14 @@ class EmulatorConfig:
             )
         if not isinstance(self.jitter_seed, int):
             raise TypeError(f"jitter_seed = {self.jitter_seed!r} must be an int")
+        if self.faults is not None and not isinstance(self.faults, FaultPlan):
+            raise TypeError(f"faults = {self.faults!r} must be a cpdpkit.network.FaultPlan or None")
+
+    @property
+    def fault_plan(self) -> FaultPlan | None:
+        """The faults to inject: ``faults``, else the topology's ``[faults]`` table (``None``: none)."""
+        plan = self.faults if self.faults is not None else self.topology.faults
+        return None if plan is None or plan.is_empty else plan
 
 
 class EmulatorSession:
@@ -87,6 +106,8 @@ class EmulatorSession:
 
     def __init__(self, config: EmulatorConfig) -> None:
         self.config = config
+        self.faults: FaultInjector | None = None  # made with the first group (it knows this rank)
+        self.started = False  # the members agreed on the start time (faults' origin)
         self._lock = threading.Lock()
         self._groups: weakref.WeakKeyDictionary[EmulatedProcessGroup, GroupCounters] = weakref.WeakKeyDictionary()
 
@@ -134,8 +155,11 @@ def _create_emulated_group(session: EmulatorSession, opts: Any, backend_options:
         backends["cuda"] = nccl
     else:
         inner._set_default_backend(ProcessGroup.BackendType.GLOO)
+    plan = session.config.fault_plan
+    if plan is not None and session.faults is None:
+        session.faults = FaultInjector(plan, rank=ranks[opts.group_rank], topology=session.config.topology)
     return EmulatedProcessGroup(inner=inner, backends=backends, session=session, global_ranks=ranks,
-                                timeout=timeout, group_id=str(opts.group_id))
+                                timeout=timeout, group_id=str(opts.group_id), store=opts.store)
 
 
 def jittered_s(network: NetworkGroup, costs: Sequence[CollectiveCost], *, seed: int, key: str) -> float:
@@ -163,7 +187,7 @@ class EmulatedProcessGroup(ProcessGroup):
     """A process group whose collectives take the modeled time of their tier (see module doc)."""
 
     def __init__(self, *, inner: ProcessGroup, backends: dict[str, Any], session: EmulatorSession,
-                 global_ranks: Sequence[int], timeout: timedelta, group_id: str) -> None:
+                 global_ranks: Sequence[int], timeout: timedelta, group_id: str, store: Any = None) -> None:
         super().__init__(inner.rank(), inner.size())
         self._inner = inner
         self._session = session
@@ -180,6 +204,20 @@ class EmulatedProcessGroup(ProcessGroup):
         self._seq_lock = threading.Lock()
         self._seq = 0
         self._coalescing: list[tuple[str, int]] | None = None
+        self._faults = session.faults
+        self._clock: GroupClock | None = None
+        self._pending = threading.local()  # the arrival exchange _arrive started for this thread's op
+        self._uplinks: UplinkBook | None = None
+        if store is not None and len(self._global_ranks) > 1:
+            self._clock = GroupClock(store=store, group_rank=inner.rank(), global_ranks=self._global_ranks,
+                                     timeout=timeout, describe=self._describe)
+            if self._network.uplinks:
+                self._uplinks = UplinkBook(store=store, group_rank=inner.rank(), group_size=inner.size(),
+                                           uplinks=self._network.uplinks, timeout=timeout, describe=self._describe)
+            if self._faults is not None and not session.started:
+                # the first group (the world) agrees on the origin of the faults' times
+                self._faults.start_s = self._clock.agree_on_now()
+                session.started = True
         session.add(self, self._counters)
         for device, backend in backends.items():
             btype = ProcessGroup.BackendType.NCCL if device == "cuda" else ProcessGroup.BackendType.GLOO
@@ -216,7 +254,37 @@ class EmulatedProcessGroup(ProcessGroup):
         """The network model of this group's ranks (what every collective here costs)."""
         return self._network
 
+    def _describe(self, op: str) -> str:
+        """How one-line errors name a collective: ``emu all_reduce on group world (ranks 0-1)``."""
+        world = self.topology.world_size
+        name = "world" if self._global_ranks == list(range(world or 0)) else repr(self._group_name)
+        return f"emu {op} on group {name} (ranks {self._ranks_label})"
+
     # ---- the core: forward, then book the modeled link time ----------------------------------
+    def _arrive(self, exchange: bool | None = None) -> float:
+        """This rank's arrival at a collective (monotonic), after what injected faults do first;
+        starts the arrival exchange (``exchange``; default: unless inside a coalesced batch, whose
+        end exchanges once) before the real op, and leaves it for :meth:`_book` on this thread."""
+        if self._faults is not None:
+            self._faults.before_issue(self._timeout_s)
+        issued_s = time.monotonic()
+        if self._clock is not None and (self._coalescing is None if exchange is None else exchange):
+            self._pending.arrival = self._clock.collective(issued_s)
+        return issued_s
+
+    def _schedule(self, network: NetworkGroup, seq: int, op: str,
+                  uplinks: UplinkBook | None) -> Any:
+        """The booking's schedule step (a link that is down, then the shared uplinks), or ``None``."""
+        hold = self._faults.link_down(network, self._timeout_s, lambda: self._describe(op)) if self._faults else None
+        if hold is None and uplinks is None:
+            return None
+
+        def schedule(start_s: float, modeled_s: float) -> tuple[float, float]:
+            start_s, end_s = hold(start_s, modeled_s) if hold is not None else (start_s, start_s + modeled_s)
+            return uplinks.schedule(seq, op)(start_s, end_s) if uplinks is not None else (start_s, end_s)
+
+        return schedule
+
     def _next_seq(self) -> int:
         with self._seq_lock:
             self._seq += 1
@@ -241,42 +309,51 @@ class EmulatedProcessGroup(ProcessGroup):
               outputs: list[torch.Tensor], issued_s: float) -> EmulatedWork:
         """Count ``costs``' wire bytes and book their sampled time (one draw for the whole batch)."""
         self._counters.add_wire_bytes(self.tier_name, sum(c.wire_bytes for c in costs))
-        modeled_s = jittered_s(self._network, costs, seed=self._session.config.jitter_seed,
-                               key=f"{self._group_name}:{seq}")
+        key = f"{self._group_name}:{seq}"
+        modeled_s = jittered_s(self._network, costs, seed=self._session.config.jitter_seed, key=key)
+        if self._faults is not None and costs:
+            modeled_s = self._faults.modeled_s(self._network, key, modeled_s)
         self._counters.add_modeled(self.tier_name, modeled_s)
         label = emu_label(op, num_bytes=num_bytes, tier=self.tier_name, ranks=self._ranks_label, modeled_s=modeled_s)
+        # a coalesced batch's members (no costs) complete with the batch, which exchanges arrivals
+        pending, self._pending.arrival = getattr(self._pending, "arrival", None), None
+        arrival = functools.partial(pending, op) if pending is not None and costs else None
+        # booking a shared uplink costs a few store round trips (~0.1 ms each): only transfers that
+        # occupy it for longer are booked (the same decision on every member: it depends on the model only)
+        uplinks = self._uplinks if sum(c.bandwidth_term_s for c in costs) >= _MIN_UPLINK_BOOKING_S else None
+        schedule = self._schedule(self._network, seq, op, uplinks) if costs else None
         return self._link.book(label=label, modeled_s=modeled_s, inner=inner_work, outputs=outputs,
-                               timeout_s=self._timeout_s, issued_s=issued_s)
+                               timeout_s=self._timeout_s, issued_s=issued_s, arrival=arrival, schedule=schedule)
 
     # ---- all-reduce --------------------------------------------------------------------------
     def allreduce(self, tensors: Any, opts: Any = None) -> EmulatedWork:
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
         opts = opts if opts is not None else dist.AllreduceOptions()
-        issued_s, work = time.monotonic(), self._inner.allreduce(tensors, opts)
+        issued_s, work = self._arrive(), self._inner.allreduce(tensors, opts)
         return self._emulate("all_reduce", "all_reduce", _nbytes(tensors), work, list(tensors), issued_s)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> EmulatedWork:
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
-        issued_s, work = time.monotonic(), self._inner.allreduce_coalesced(tensors, opts)
+        issued_s, work = self._arrive(), self._inner.allreduce_coalesced(tensors, opts)
         return self._emulate("all_reduce", "all_reduce", _nbytes(tensors), work, list(tensors), issued_s)
 
     # ---- all-gather --------------------------------------------------------------------------
     def allgather(self, output_lists: Any, input_tensors: Any, opts: Any = None) -> EmulatedWork:
         opts = opts if opts is not None else dist.AllgatherOptions()
-        issued_s, work = time.monotonic(), self._inner.allgather(output_lists, input_tensors, opts)
+        issued_s, work = self._arrive(), self._inner.allgather(output_lists, input_tensors, opts)
         outs = _flat(output_lists)
         return self._emulate("all_gather", "all_gather", _nbytes(outs), work, outs, issued_s)
 
     def allgather_coalesced(self, output_lists: Any, input_tensors: Any, opts: Any = None) -> EmulatedWork:
         opts = opts if opts is not None else dist.AllgatherOptions()
-        issued_s, work = time.monotonic(), self._inner.allgather_coalesced(output_lists, input_tensors, opts)
+        issued_s, work = self._arrive(), self._inner.allgather_coalesced(output_lists, input_tensors, opts)
         outs = _flat(output_lists)
         return self._emulate("all_gather", "all_gather", _nbytes(outs), work, outs, issued_s)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> EmulatedWork:  # noqa: A002
         opts = opts if opts is not None else dist.AllgatherOptions()
-        issued_s, work = time.monotonic(), self._inner.all_gather_single(output, input, opts)
+        issued_s, work = self._arrive(), self._inner.all_gather_single(output, input, opts)
         return self._emulate("all_gather", "all_gather", _nbytes([output]), work, [output], issued_s)
 
     _allgather_base = all_gather_single
@@ -284,7 +361,7 @@ class EmulatedProcessGroup(ProcessGroup):
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                     opts: Any = None) -> EmulatedWork:
         opts = opts if opts is not None else dist.AllgatherOptions()
-        issued_s, work = time.monotonic(), self._inner.all_gather_single_coalesced(outputs, inputs, opts)
+        issued_s, work = self._arrive(), self._inner.all_gather_single_coalesced(outputs, inputs, opts)
         return self._emulate("all_gather", "all_gather", _nbytes(outputs), work, list(outputs), issued_s)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
@@ -292,13 +369,13 @@ class EmulatedProcessGroup(ProcessGroup):
     # ---- reduce-scatter ----------------------------------------------------------------------
     def reduce_scatter(self, outputs: Any, input_lists: Any, opts: Any = None) -> EmulatedWork:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
-        issued_s, work = time.monotonic(), self._inner.reduce_scatter(outputs, input_lists, opts)
+        issued_s, work = self._arrive(), self._inner.reduce_scatter(outputs, input_lists, opts)
         return self._emulate("reduce_scatter", "reduce_scatter", _nbytes(_flat(input_lists)), work, list(outputs),
                              issued_s)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> EmulatedWork:  # noqa: A002
         opts = opts if opts is not None else dist.ReduceScatterOptions()
-        issued_s, work = time.monotonic(), self._inner.reduce_scatter_single(output, input, opts)
+        issued_s, work = self._arrive(), self._inner.reduce_scatter_single(output, input, opts)
         return self._emulate("reduce_scatter", "reduce_scatter", _nbytes([input]), work, [output], issued_s)
 
     _reduce_scatter_base = reduce_scatter_single
@@ -306,7 +383,7 @@ class EmulatedProcessGroup(ProcessGroup):
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> EmulatedWork:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
-        issued_s, work = time.monotonic(), self._inner.reduce_scatter_single_coalesced(outputs, inputs, opts)
+        issued_s, work = self._arrive(), self._inner.reduce_scatter_single_coalesced(outputs, inputs, opts)
         return self._emulate("reduce_scatter", "reduce_scatter", _nbytes(inputs), work, list(outputs), issued_s)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
@@ -316,18 +393,18 @@ class EmulatedProcessGroup(ProcessGroup):
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
         opts = opts if opts is not None else dist.BroadcastOptions()
-        issued_s, work = time.monotonic(), self._inner.broadcast(tensors, opts)
+        issued_s, work = self._arrive(), self._inner.broadcast(tensors, opts)
         return self._emulate("broadcast", "broadcast", _nbytes(tensors), work, list(tensors), issued_s)
 
     def barrier(self, opts: Any = None) -> EmulatedWork:
         opts = opts if opts is not None else dist.BarrierOptions()
-        issued_s, work = time.monotonic(), self._inner.barrier(opts)
+        issued_s, work = self._arrive(), self._inner.barrier(opts)
         return self._emulate("barrier", "barrier", 0, work, [], issued_s)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],  # noqa: A002
                           input_split_sizes: list[int], opts: Any = None) -> EmulatedWork:
         opts = opts if opts is not None else dist.AllToAllOptions()
-        issued_s = time.monotonic()
+        issued_s = self._arrive()
         work = self._inner.all_to_all_single(output, input, output_split_sizes, input_split_sizes, opts)
         return self._emulate("all_to_all", "all_to_all", _nbytes([input]), work, [output], issued_s)
 
@@ -335,36 +412,36 @@ class EmulatedProcessGroup(ProcessGroup):
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> EmulatedWork:
         opts = opts if opts is not None else dist.AllToAllOptions()
-        issued_s, work = time.monotonic(), self._inner.alltoall(outputs, inputs, opts)
+        issued_s, work = self._arrive(), self._inner.alltoall(outputs, inputs, opts)
         return self._emulate("all_to_all", "all_to_all", _nbytes(inputs), work, list(outputs), issued_s)
 
     # ---- rooted collectives (modeled with the nearest symmetric formula, labelled "other") ----
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> EmulatedWork:
         opts = opts if opts is not None else dist.ReduceOptions()
-        issued_s, work = time.monotonic(), self._inner.reduce(tensors, opts)
+        issued_s, work = self._arrive(), self._inner.reduce(tensors, opts)
         return self._emulate("other", "broadcast", _nbytes(tensors), work, list(tensors), issued_s)
 
     def gather(self, outputs: Any, inputs: list[torch.Tensor], opts: Any = None) -> EmulatedWork:
         opts = opts if opts is not None else dist.GatherOptions()
-        issued_s, work = time.monotonic(), self._inner.gather(outputs, inputs, opts)
+        issued_s, work = self._arrive(), self._inner.gather(outputs, inputs, opts)
         return self._emulate("other", "all_gather", _nbytes(inputs) * self.size(), work, _flat(outputs), issued_s)
 
     def scatter(self, outputs: list[torch.Tensor], inputs: Any, opts: Any = None) -> EmulatedWork:
         opts = opts if opts is not None else dist.ScatterOptions()
-        issued_s, work = time.monotonic(), self._inner.scatter(outputs, inputs, opts)
+        issued_s, work = self._arrive(), self._inner.scatter(outputs, inputs, opts)
         return self._emulate("other", "all_gather", _nbytes(outputs) * self.size(), work, list(outputs), issued_s)
 
     # ---- point to point ------------------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> EmulatedWork:
-        issued_s, work = time.monotonic(), self._inner.send(tensors, dst, tag)
-        return self._p2p(tensors, dst, work, issued_s, sending=True)
+        issued_s, work = self._arrive(exchange=False), self._inner.send(tensors, dst, tag)
+        return self._p2p(tensors, dst, work, issued_s, sending=True, tag=tag)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> EmulatedWork:
-        issued_s, work = time.monotonic(), self._inner.recv(tensors, src, tag)
-        return self._p2p(tensors, src, work, issued_s, sending=False)
+        issued_s, work = self._arrive(exchange=False), self._inner.recv(tensors, src, tag)
+        return self._p2p(tensors, src, work, issued_s, sending=False, tag=tag)
 
     def _p2p(self, tensors: list[torch.Tensor], peer: int, work: Any, issued_s: float, *,
-             sending: bool) -> EmulatedWork:
+             sending: bool, tag: int = 0) -> EmulatedWork:
         """Book a send or recv on the link to ``peer``, priced by the pair's network group.
 
         The sender counts the wire bytes (a recv sends nothing). Both sides draw the jitter of
@@ -382,16 +459,23 @@ class EmulatedProcessGroup(ProcessGroup):
         direction = (me, other) if sending else (other, me)
         with self._seq_lock:
             n = self._p2p_seq[direction] = self._p2p_seq.get(direction, 0) + 1
-        modeled_s = jittered_s(network, [cost], seed=self._session.config.jitter_seed,
-                               key=f"{self._group_name}:p2p:{direction[0]}->{direction[1]}:{n}")
+        key = f"{self._group_name}:p2p:{direction[0]}->{direction[1]}:{n}"
+        modeled_s = jittered_s(network, [cost], seed=self._session.config.jitter_seed, key=key)
+        if self._faults is not None:
+            modeled_s = self._faults.modeled_s(network, key, modeled_s)
         self._counters.add_op("send_recv")
         self._counters.add_modeled(network.tier_name, modeled_s)
         if sending:
             self._counters.add_wire_bytes(network.tier_name, cost.wire_bytes)
         label = emu_label("send_recv", num_bytes=num_bytes, tier=network.tier_name, ranks=format_ranks(network.ranks),
                           modeled_s=modeled_s)
+        arrival = None
+        if self._clock is not None:  # a recv completes at max(send issue, recv issue) + transfer
+            arrival = (self._clock.send(issued_s, peer, tag, "send_recv") if sending
+                       else self._clock.recv(issued_s, peer, tag, "send_recv"))
         return link.book(label=label, modeled_s=modeled_s, inner=work, outputs=list(tensors),
-                         timeout_s=self._timeout_s, issued_s=issued_s)
+                         timeout_s=self._timeout_s, issued_s=issued_s, arrival=arrival,
+                         schedule=self._schedule(network, n, "send_recv", None))
 
     # ---- coalescing (dist._coalescing_manager) -------------------------------------------------
     def _start_coalescing(self, device: torch.device) -> None:
@@ -403,7 +487,7 @@ class EmulatedProcessGroup(ProcessGroup):
     def _end_coalescing(self, device: torch.device) -> EmulatedWork:
         """Charge the batch once: one collective of the summed bytes when every op is of one
         kind (as a fused launch), else the sum of each op's own cost (labelled ``other``)."""
-        issued_s, work = time.monotonic(), self._inner._end_coalescing(device)
+        issued_s, work = self._arrive(exchange=True), self._inner._end_coalescing(device)
         batch, self._coalescing = self._coalescing or [], None
         seq = self._next_seq()
         total = sum(n for _, n in batch)
@@ -419,6 +503,8 @@ class EmulatedProcessGroup(ProcessGroup):
     def shutdown(self) -> None:
         for link in (self._link, *(link for link, _ in self._p2p_links.values())):
             link.close()
+        if self._clock is not None:
+            self._clock.shutdown()
         self._inner.shutdown()
 
     def abort(self) -> None:

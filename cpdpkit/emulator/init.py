@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 
 from cpdpkit.emulator.backend import BACKEND_NAME, EmulatorConfig, register_emulated_backend
-from cpdpkit.emulator.env import TOPOLOGY_ENV, topology_from_env
+from cpdpkit.emulator.env import FAULTS_ENV, TOPOLOGY_ENV, faults_from_env, topology_from_env
 from cpdpkit.errors import DistributedSetupError
+from cpdpkit.network import FaultPlan
 from cpdpkit.topology import Topology, resolve_topology
 
 __all__ = ["DistributedInfo", "init_distributed"]
@@ -65,12 +66,15 @@ def init_distributed(
     init_method: str | None = None,
     rank: int | None = None,
     world_size: int | None = None,
+    faults: FaultPlan | None = None,
 ) -> DistributedInfo:
     """Start the default process group; emulate ``topology`` (or ``$CPDPKIT_TOPOLOGY``) if set.
 
     ``backend=None`` chooses ``emu`` when a topology is known, else nccl (CUDA) or gloo.
     ``backend="gloo"``/``"nccl"`` never emulates. ``rank``/``world_size``/``init_method`` default
     to torchrun's environment (``env://``). Calling it again returns the existing setup.
+    ``faults`` (default: ``$CPDPKIT_FAULTS``, else the topology's ``[faults]`` table) are injected
+    into the emulated groups (:mod:`cpdpkit.emulator.faults`).
     """
     world_size = world_size if world_size is not None else _env_int("WORLD_SIZE", 1)
     rank = rank if rank is not None else _env_int("RANK", 0)
@@ -95,9 +99,15 @@ def init_distributed(
         device = f"cuda:{torch.cuda.current_device()}"
     if chosen != BACKEND_NAME:
         topology = None
+        if faults is not None or faults_from_env() is not None:
+            raise DistributedSetupError(
+                f"faults are injected by the emulated backend only, but backend = {chosen!r}; set "
+                f"{TOPOLOGY_ENV} (or pass topology=) to emulate, or unset {FAULTS_ENV} / faults=")
     if not dist.is_initialized():
         if chosen == BACKEND_NAME:
-            register_emulated_backend(EmulatorConfig(topology=topology, jitter_seed=jitter_seed))  # type: ignore[arg-type]
+            faults = faults if faults is not None else faults_from_env()
+            register_emulated_backend(EmulatorConfig(topology=topology, jitter_seed=jitter_seed,  # type: ignore[arg-type]
+                                                     faults=faults))
         dist.init_process_group(backend=chosen, init_method=init_method or "env://", rank=rank,
                                 world_size=world_size, timeout=timeout)
     return DistributedInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,

@@ -1,0 +1,138 @@
+"""One rank of a fault-injection or emulator-fidelity job (tests/test_faults.py, tests/test_emulator_fidelity.py).
+
+Run as ``python tests/_fault_jobs.py JOB RANK WORLD DIR TIMEOUT_S``: each rank its own process, so
+a test sees every rank's exit code and stderr. The faults come from ``CPDPKIT_FAULTS`` (set by
+the test), as a launched rank gets them. A rank ends like the CLI does: a ``CpdpkitError`` is one
+line on stderr and exit code 2; anything else would be a traceback (which the tests refuse).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cpdpkit.emulator import init_distributed, meter
+from cpdpkit.errors import CpdpkitError
+from cpdpkit.topology import Tier, Topology
+
+# Two sites of up to 2 ranks: a 5 ms WAN keeps every collective short and still far above gloo's own time.
+TOPOLOGY = Topology(
+    name="fault-wan",
+    tiers=(Tier(name="LAN", latency_s=1e-3, bandwidth_bytes_per_s=1e9),
+           Tier(name="WAN", latency_s=5e-3, bandwidth_bytes_per_s=100e6)),
+    intra_node_tier="LAN", inter_site_tier="WAN", ranks_per_node=None, nodes_per_site=1, num_sites=2,
+)
+NUM_STEPS = 8
+NUM_BYTES = 4096
+CONTEND_BYTES = 1 << 20
+LATE_S, P2P_LATE_S = 0.08, 0.05  # how late rank 1 arrives in the skew job
+
+
+def _train(rank: int, steps: int) -> dict[str, Any]:
+    """``steps`` all-reduces of a gradient-sized tensor, each timed and metered on its own."""
+    torch.manual_seed(0)
+    param = torch.zeros(NUM_BYTES // 4)
+    calls = []
+    for step in range(steps):
+        grad = torch.full_like(param, float(rank + step))
+        with meter() as m:
+            t0 = time.perf_counter()
+            dist.all_reduce(grad)
+            done_s = time.monotonic()
+            calls.append({"elapsed_s": time.perf_counter() - t0, "done_s": done_s,
+                          "modeled_s": sum(m.modeled_s_by_tier.values()), "blocked_s": m.blocked_s})
+        param -= 0.1 * grad
+    return {"calls": calls, "param_sum": float(param.sum())}
+
+
+def _makespan_s(fn: Any, gloo: Any, group: int = 0, late_s: float = 0.0, first: bool = False) -> float:
+    """Seconds from the moment the first group could start (its last rank left a barrier) to the
+    end of the last rank's ``fn`` (this rank sleeps ``late_s`` first; ``group`` -1: it issues
+    nothing; ``first``: to the first rank's end). One host's CLOCK_MONOTONIC: the barrier's own exit
+    skew is not counted."""
+    dist.barrier(gloo)
+    left_s = time.monotonic()
+    time.sleep(late_s)
+    fn()
+    mine = torch.tensor([group, left_s, time.monotonic()], dtype=torch.float64)
+    every = [torch.zeros(3, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine, group=gloo)
+    rows = [(int(g), left, done) for g, left, done in (t.tolist() for t in every) if g >= 0]
+    start_s = min(max(left for g, left, _ in rows if g == k) for k in {g for g, _, _ in rows})
+    return (min if first else max)(done for _, _, done in rows) - start_s
+
+
+def _skew(rank: int, gloo: Any) -> dict[str, Any]:
+    """Rank 1 arrives 80 ms late at an all-reduce of the world, then 50 ms late at a send to rank 0."""
+    x = torch.ones(NUM_BYTES // 4)
+    dist.all_reduce(x)  # warm-up
+    # the first rank to complete: an on-time rank (before issue 15 it did not wait for the late one)
+    out = {name: _makespan_s(lambda: dist.all_reduce(x), gloo, late_s=late_s if rank == 1 else 0.0, first=True)
+           for name, late_s in (("on_time", 0.0), ("late", LATE_S))}
+
+    def p2p() -> None:
+        if rank == 1:
+            dist.send(x, 0)
+        elif rank == 0:
+            dist.recv(x, 1)
+
+    out["p2p"] = _makespan_s(p2p, gloo, group=0 if rank < 2 else -1, late_s=P2P_LATE_S if rank == 1 else 0.0,
+                             first=True)
+    return out
+
+
+def _contend(rank: int, gloo: Any) -> dict[str, Any]:
+    """2 nodes x 2 ranks: the groups {0, 2} and {1, 3} cross the same two node uplinks."""
+    pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    mine = pairs[rank % 2]
+    x = torch.ones(CONTEND_BYTES // 4)
+    dist.all_reduce(x, group=mine)  # warm-up
+
+    def alone() -> None:
+        if rank % 2 == 0:
+            dist.all_reduce(x, group=mine)
+
+    return {"alone": _makespan_s(alone, gloo, group=0 if rank % 2 == 0 else -1),
+            "together": _makespan_s(lambda: dist.all_reduce(x, group=mine), gloo, group=rank % 2),
+            # the world: 2 levels (LAN inside a site, WAN between), priced hierarchically
+            "world": _makespan_s(lambda: dist.all_reduce(x), gloo)}
+
+
+def main(job: str, rank: int, world: int, folder: str, timeout_s: float) -> None:
+    torch.set_num_threads(1)
+    info = init_distributed(topology=TOPOLOGY, init_method=f"file://{folder}/store", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+    group = dist.group.WORLD
+    result: dict[str, Any] = {"group_name": group.group_name}
+    faults = group._session.faults
+    result["fault_origin_s"] = faults.start_s if faults is not None else None
+    if job == "train":
+        result.update(_train(rank, NUM_STEPS))
+    elif job == "train_long":
+        result.update(_train(rank, 10 * NUM_STEPS))
+    else:
+        gloo = dist.new_group(backend="gloo")  # job "fidelity"
+        result.update(_skew(rank, gloo))
+        if world == 4:
+            result.update(_contend(rank, gloo))
+        dist.barrier(gloo)
+    result["world_size"] = info.world_size
+    Path(folder, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], float(sys.argv[5]))
+    except CpdpkitError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)

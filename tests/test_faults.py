@@ -1,0 +1,217 @@
+"""Injected faults (cpdpkit.network.FaultPlan, applied by the emulator): parsing, and each kind on
+2 real gloo ranks, each rank its own process (tests/_fault_jobs.py) so every exit code and every
+line of stderr is checked: training goes on (spikes, a slow rank, a short link outage) or every
+rank ends within its timeout with one line naming the op, the group and the missing ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from _fault_jobs import NUM_BYTES, TOPOLOGY
+from cpdpkit._env import faults_from_env
+from cpdpkit.emulator.faults import FaultInjector, LinkDownError
+from cpdpkit.errors import DistributedSetupError, TopologyError
+from cpdpkit.network import FaultPlan
+from cpdpkit.topology import parse_topology_toml
+
+JOB = Path(__file__).with_name("_fault_jobs.py")
+NUM_STEPS = 8  # tests/_fault_jobs.py's
+
+
+@dataclass
+class RankRun:
+    returncode: int
+    stderr: str
+    ended_after_s: float
+    result: dict[str, Any] | None
+
+
+def run_ranks(job: str, tmp_path: Path, *, faults: str = "", timeout_s: float = 10.0, world: int = 2,
+              wall_s: float = 60.0) -> list[RankRun]:
+    """Start ``world`` rank processes of ``job``; return each one's exit code, stderr, end time."""
+    env = {**os.environ, "CPDPKIT_FAULTS": faults, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(JOB), job, str(r), str(world), str(tmp_path), str(timeout_s)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+             for r in range(world)]
+    t0 = time.monotonic()
+    ended: dict[int, float] = {}
+    while len(ended) < world:
+        for r, p in enumerate(procs):
+            if r not in ended and p.poll() is not None:
+                ended[r] = time.monotonic() - t0
+        if time.monotonic() - t0 > wall_s:
+            for p in procs:
+                p.kill()
+            pytest.fail(f"ranks {sorted(set(range(world)) - set(ended))} still running after {wall_s} s: a hang")
+        time.sleep(0.02)
+    runs = []
+    for r, p in enumerate(procs):
+        out = tmp_path / f"rank{r}.json"
+        runs.append(RankRun(p.returncode, p.stderr.read(), ended[r],  # type: ignore[union-attr]
+                            json.loads(out.read_text()) if out.exists() else None))
+    return runs
+
+
+def _one_line(run: RankRun) -> str:
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert "Traceback" not in run.stderr, run.stderr
+    assert len(lines) == 1, run.stderr
+    return lines[0]
+
+
+# ---- parsing (no process group) ---------------------------------------------------------------
+def test_the_env_line_and_the_toml_table_give_the_same_plan(tmp_path: Path) -> None:
+    line = ("seed=3;latency_spikes:probability=0.25,extra_s=0.05;slow_rank:rank=1,factor=1.5,extra_s=0.02;"
+            "link_down:pair=0-1,start_s=1,duration_s=2;dead_peer:rank=1,at_collective=20,mode=hang")
+    plan = faults_from_env({"CPDPKIT_FAULTS": line})
+    assert plan == FaultPlan(seed=3, latency_spikes=(0.25, 0.05), slow_rank=(1, 1.5, 0.02),
+                             link_down=(None, (0, 1), 1.0, 2.0), dead_peer=(1, 20, None, "hang"))
+    toml = """
+[faults]
+seed = 3
+latency_spikes = {probability = 0.25, extra_s = 0.05}
+slow_rank = {rank = 1, factor = 1.5, extra_s = 0.02}
+link_down = {pair = [1, 0], start_s = 1, duration_s = 2}
+dead_peer = {rank = 1, at_collective = 20, mode = "hang"}
+"""
+    (tmp_path / "faults.toml").write_text(toml)
+    assert faults_from_env({"CPDPKIT_FAULTS": str(tmp_path / "faults.toml")}) == plan
+    topo = parse_topology_toml('name = "t"\n[placement]\nranks_per_node = 1\n[levels]\nintra_node = "LAN"\n'
+                               '[tiers.LAN]\nlatency_s = 1e-4\nbandwidth_bytes_per_s = 1e9\n' + toml)
+    assert topo.faults == plan
+    assert faults_from_env({}) is None and faults_from_env({"CPDPKIT_FAULTS": " "}) is None
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ("latency_spikes:probability=2,extra_s=1",
+     r"^faults.latency_spikes.probability = 2.0 is invalid; set it in \[0, 1\]$"),
+    ("slow_rank:factor=2", r"^faults.slow_rank: rank is missing; e.g. slow_rank = \{rank = 1"),
+    ("link_down:start_s=1,duration_s=1", r"^faults.link_down needs exactly one of tier or pair"),
+    ("dead_peer:rank=1,at_s=1,mode=explode",
+     r"^faults.dead_peer.mode = 'explode' is invalid; use \"exit\" or \"hang\"$"),
+    ("gremlins:rank=1", r"^CPDPKIT_FAULTS: unknown key 'gremlins'; use seed or one of latency_spikes"),
+    ("seed", r"^CPDPKIT_FAULTS: 'seed' is not 'seed=N' nor 'kind:key=value,...'"),
+])
+def test_bad_faults_are_one_line(line: str, message: str) -> None:
+    with pytest.raises(TopologyError, match=message):
+        FaultPlan.parse(line)
+
+
+# ---- faults on 2 gloo ranks --------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_spikes_slow_rank_and_a_short_outage_let_training_go_on(tmp_path: Path) -> None:
+    """One run, three faults that training survives; each one's effect is checked on its own."""
+    spikes, extra_s, factor, late_s, down_s = 0.5, 0.04, 1.5, 0.03, 0.5
+    faults = (f"seed=7;latency_spikes:probability={spikes},extra_s={extra_s};"
+              f"slow_rank:rank=1,factor={factor},extra_s={late_s};link_down:tier=WAN,start_s=0,duration_s={down_s}")
+    runs = run_ranks("train", tmp_path, faults=faults, timeout_s=10.0)
+    assert [r.returncode for r in runs] == [0, 0], [r.stderr for r in runs]
+    r0, r1 = (r.result for r in runs)
+    assert r0["param_sum"] == r1["param_sum"]  # the data path is untouched
+    # spikes: collective n spikes iff its draw of (seed, "<group>:<n>") is under the probability
+    base = TOPOLOGY.place(2).collective_time_s("all_reduce", NUM_BYTES, [0, 1]) * factor  # the slow rank's link
+    spiked = [random.Random(f"7:spike:{r0['group_name']}:{n}").random() < spikes for n in range(1, NUM_STEPS + 1)]
+    assert 0 < sum(spiked) < NUM_STEPS
+    expect = [base + extra_s * s for s in spiked]
+    for result in (r0, r1):
+        assert [c["modeled_s"] for c in result["calls"]] == pytest.approx(expect, rel=1e-9)
+    # the link was down for the first down_s seconds: the first all-reduce ended after it came back
+    assert r0["calls"][0]["done_s"] >= r0["fault_origin_s"] + down_s + base
+    # the slow rank arrives late_s late at every collective: rank 0 waits for it each time
+    later = r0["calls"][1:]
+    assert min(c["blocked_s"] for c in later) >= late_s * 0.9 + base, later
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", ["exit", "hang"])
+def test_a_dead_peer_ends_every_rank_with_one_line(tmp_path: Path, mode: str) -> None:
+    timeout_s = 3.0
+    runs = run_ranks("train", tmp_path, faults=f"dead_peer:rank=1,at_collective=4,mode={mode}", timeout_s=timeout_s)
+    (r0, r1) = runs
+    assert r0.returncode == 2 and r1.returncode == 1, (r0.stderr, r1.stderr)
+    line = _one_line(r0)
+    assert line.startswith("error: emu all_reduce on group world (ranks 0-1): ranks [1] did not arrive"), line
+    assert "check its log" in line
+    if mode == "hang":
+        assert f"within {timeout_s:g} s" in line and "raise the timeout" in line
+    said = f"cpdpkit emulator: rank 1 (injected fault dead_peer, mode {mode}) at its collective 4"
+    if mode == "exit":
+        assert _one_line(r1) == f"{said} exits with code 1"
+    else:
+        assert r1.stderr.splitlines() == [f"{said} stops answering; it exits in {timeout_s + 4:g} s",
+                                          f"{said} exits with code 1"]
+    # every rank ended within its timeout (+ start-up, the arrival check's grace and the hang's own wait)
+    assert r0.ended_after_s < 20 + (timeout_s if mode == "hang" else 0), r0.ended_after_s
+    assert r0.result is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_link_down_past_the_timeout_ends_both_ranks_with_one_line(tmp_path: Path) -> None:
+    runs = run_ranks("train_long", tmp_path, faults="link_down:tier=WAN,start_s=0.5,duration_s=60", timeout_s=2.0)
+    for run in runs:
+        assert run.returncode == 2, run.stderr
+        line = _one_line(run)
+        assert line.startswith("error: emu all_reduce on group world (ranks 0-1): the WAN link is down "
+                               "(injected fault link_down at 0.5 s for 60 s) and stayed down past the group's 2 s "
+                               "timeout"), line
+        assert run.ended_after_s < 30, run.ended_after_s
+
+
+# ---- the injector's decisions (no process group) ------------------------------------------------
+def test_the_injectors_decisions_are_seeded_and_shared_by_the_group() -> None:
+    topo = TOPOLOGY.place(2)
+    group = topo.group([0, 1])
+    plan = FaultPlan.parse("seed=5;latency_spikes:probability=0.3,extra_s=0.1;slow_rank:rank=1,factor=2;"
+                           "link_down:tier=WAN,start_s=10,duration_s=5")
+    ranks = [FaultInjector(plan, rank=r, topology=topo) for r in (0, 1)]
+    draws = [[inj.modeled_s(group, f"0:{n}", 1.0) for n in range(1, 41)] for inj in ranks]
+    assert draws[0] == draws[1]  # every member prices a collective the same
+    assert set(draws[0]) == {2.0, 2.1} and 0.15 < draws[0].count(2.1) / 40 < 0.45  # factor 2, spikes ~30 %
+    assert draws[0] == [FaultInjector(plan, rank=0, topology=topo).modeled_s(group, f"0:{n}", 1.0)
+                        for n in range(1, 41)]  # the same seed replays the same spikes
+    assert ranks[0].modeled_s(topo.group([0]), "x:1", 1.0) == 1.0  # a one-rank group: no link, no spike
+    inj = ranks[0]
+    inj.start_s = 100.0
+    hold = inj.link_down(group, 30.0, lambda: "emu all_reduce on group world (ranks 0-1)")
+    assert hold(105.0, 1.0) == (105.0, 106.0)  # before the outage
+    assert hold(111.0, 1.0) == (115.0, 116.0)  # during it: starts when the link is back
+    assert hold(109.5, 1.0) == (109.5, 115.5)  # across its start: paused for the outage
+    assert inj.link_down(topo.group([0]), 30.0, str) is None
+    short = FaultInjector(FaultPlan.parse("link_down:pair=0-1,start_s=0,duration_s=60"), rank=0, topology=topo)
+    with pytest.raises(LinkDownError, match=r"^emu all_reduce on group world \(ranks 0-1\): the link between ranks "
+                                            r"0 and 1 is down .* past the group's 0.01 s timeout"):
+        short.link_down(group, 0.01, lambda: "emu all_reduce on group world (ranks 0-1)")(short.start_s, 1.0)
+
+
+def test_faults_naming_what_is_not_there_are_one_line() -> None:
+    topo = TOPOLOGY.place(2)
+    with pytest.raises(DistributedSetupError, match=r"^faults.dead_peer.rank = 5 is outside the world \(size 2\)"):
+        FaultInjector(FaultPlan.parse("dead_peer:rank=5,at_s=1"), rank=0, topology=topo)
+    with pytest.raises(DistributedSetupError, match=r"^faults.link_down.tier = 'IB' is not a tier of topology"):
+        FaultInjector(FaultPlan.parse("link_down:tier=IB,start_s=1,duration_s=1"), rank=0, topology=topo)
+
+
+def test_the_topologys_faults_reach_the_emulator_unless_overridden() -> None:
+    import dataclasses
+
+    from cpdpkit.emulator import EmulatorConfig
+
+    table = FaultPlan.parse("seed=2;latency_spikes:probability=0.5,extra_s=0.01")
+    topo = dataclasses.replace(TOPOLOGY, faults=table).place(2)
+    assert EmulatorConfig(topology=topo).fault_plan == table
+    other = FaultPlan.parse("slow_rank:rank=0,extra_s=0.01")
+    assert EmulatorConfig(topology=topo, faults=other).fault_plan == other  # CPDPKIT_FAULTS / faults= win
+    assert EmulatorConfig(topology=TOPOLOGY.place(2), faults=FaultPlan(seed=3)).fault_plan is None  # nothing to inject
