@@ -1,6 +1,8 @@
 """cpdpkit.profiler: exposed vs hidden communication from PyTorch profiler (Kineto) traces.
 
-Torch-free on purpose (numpy, orjson and msgspec only), so it runs wherever the traces land::
+Torch- and numpy-free on purpose (the standard library, orjson and msgspec only), so it runs
+wherever the traces land and starts fast (numpy's import alone takes longer than analysing a
+small trace)::
 
     from cpdpkit.profiler import analyze
     report = analyze(["runs/ddp", "runs/localsgd", "runs/cpdp"])

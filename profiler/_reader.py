@@ -139,7 +139,9 @@ def _parse_prefix(buf: bytes, pos: int, parse: Parse) -> tuple[Any, int]:
         if not _AFTER_CLOSE.match(buf, j + 1):
             continue
         try:
-            events = parse(b"[" + buf[pos : j + 1] + b"]")
+            with memoryview(buf) as view:  # one copy into the array's bytes, not three
+                data = b"".join((b"[", view[pos : j + 1], b"]"))
+            events = parse(data)
         except ValueError:
             continue
         return events, j + 1

@@ -40,6 +40,7 @@ from cpdpkit.labels import EMU_PREFIX, KINDS, EmuLabel, parse_emu_label, parse_r
 
 __all__ = [
     "KINDS",
+    "STEP_NAME",
     "canonical_kind",
     "NameClass",
     "classify_name",
@@ -57,6 +58,8 @@ _NOT_COMPUTE = re.compile(r"(^nccl.*Kernel)|(.*(Memcpy)|(Memset))|(.*Sync)")
 _SYNC_KERNEL = re.compile(r"^Stream Wait Event")
 
 _BACKEND_PREFIXES = ("gloo:", "mpi:", "ucc:")
+# the step markers torch.profiler writes on the training thread (group 1: the step number)
+STEP_NAME = re.compile(r"^ProfilerStep#(\d+)$")
 
 
 def canonical_kind(text: str) -> str:

@@ -64,13 +64,15 @@ Ranks never late are left out; the list is worst first (most caused wait).
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
+from bisect import bisect_right
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import compress
+from operator import sub
 from typing import Any
-
-import numpy as np
 
 from cpdpkit.profiler import intervals as iv
 from cpdpkit.profiler.report import RankReport, TraceIssue, WaitSplit
@@ -96,29 +98,31 @@ _CPU_COLLECTIVE_ROLES = ("backend", "emu")  # in order of preference
 
 @dataclass(frozen=True, eq=False)
 class RankCollectives:
-    """One rank's collectives, sorted by arrival, as the cross-rank match needs them.
+    """One rank's collectives, sorted by arrival, as the cross-rank match needs them (one
+    entry per collective in each tuple).
 
     ``arrival_us`` and ``extent_end_us`` are on the rank's trace clock (``RankTrace.start_us``);
     the wall clock is ``base_ns / 1000 + origin_us + arrival_us`` when ``wall_clock``. ``pg`` is
     the process group (``None``: unknown, not matched), ``seq`` the ``Seq`` argument (-1: none),
-    ``step`` the ``ProfilerStep`` number (-1: outside every step), ``compute`` the rank's compute,
-    ``blocked`` (CPU traces) the training thread's blocked time: there only that is exposed.
+    ``kind`` the collective's kind, ``step`` the ``ProfilerStep`` number (-1: outside every step),
+    ``compute`` the rank's compute, ``blocked`` (CPU traces) the training thread's blocked time:
+    there only that is exposed.
     """
 
     wall_clock: bool
     base_ns: int
     origin_us: float
     pg: tuple[str | None, ...]
-    seq: np.ndarray
-    kind: np.ndarray
-    step: np.ndarray
-    arrival_us: np.ndarray
-    extent_end_us: np.ndarray
+    seq: tuple[int, ...]
+    kind: tuple[str, ...]
+    step: tuple[int, ...]
+    arrival_us: tuple[float, ...]
+    extent_end_us: tuple[float, ...]
     compute: iv.Intervals
     blocked: iv.Intervals | None = None
 
     def __len__(self) -> int:
-        return int(self.arrival_us.shape[0])
+        return len(self.arrival_us)
 
 
 def _clock(trace: RankTrace) -> tuple[bool, int]:
@@ -128,46 +132,46 @@ def _clock(trace: RankTrace) -> tuple[bool, int]:
     return trace.origin_us > WALL_CLOCK_TS_US, 0
 
 
-def _picked(trace: RankTrace, rows: np.ndarray, pg_known: np.ndarray) -> np.ndarray:
+def _picked(trace: RankTrace, rows: Sequence[int], pg_known: Sequence[bool]) -> list[bool]:
     """Which entries of ``rows`` are collectives (see the module docstring)."""
-    on_gpu = trace.stream[rows] != -1
-    if on_gpu.any():
+    stream = trace.stream
+    on_gpu = [stream[r] != -1 for r in rows]
+    if any(on_gpu):
         return on_gpu
-    roles = np.array([c.cpu_role for c in trace.name_classes], dtype=object)[trace.name_id[rows]]
-    best, best_known = np.zeros(rows.size, dtype=bool), -1
+    classes, nid = trace.name_classes, trace.name_id
+    roles = [classes[nid[r]].cpu_role for r in rows]
+    best, best_known = [False] * len(rows), -1
     for role in _CPU_COLLECTIVE_ROLES:
-        pick = roles == role
-        known = int(np.count_nonzero(pick & pg_known))
-        if pick.any() and known == np.count_nonzero(pick):
+        pick = [x == role for x in roles]
+        known = sum(p and k for p, k in zip(pick, pg_known))
+        if any(pick) and known == sum(pick):
             return pick
         if known > best_known:
             best, best_known = pick, known
     return best
 
 
-def _step_numbers(anchor: np.ndarray, steps: Sequence[tuple[int, float, float]]) -> np.ndarray:
-    if not steps:
-        return np.full(anchor.size, -1, dtype=np.int64)
-    nums = np.array([s[0] for s in steps], dtype=np.int64)
-    lo = np.array([s[1] for s in steps])
-    hi = np.array([s[2] for s in steps])
-    idx = np.searchsorted(lo, anchor, side="right") - 1
-    inside = (idx >= 0) & (anchor <= hi[np.clip(idx, 0, None)])
-    return np.where(inside, nums[np.clip(idx, 0, None)], -1)
+def _step_numbers(anchor: Iterable[float], steps: Sequence[tuple[int, float, float]]) -> list[int]:
+    lo = [s[1] for s in steps]
+    out = []
+    for a in anchor:
+        k = bisect_right(lo, a) - 1
+        out.append(steps[k][0] if k >= 0 and a <= steps[k][2] else -1)
+    return out
 
 
 def rank_collectives(
     trace: RankTrace,
-    rows: np.ndarray,
-    kinds: np.ndarray,
-    starts: np.ndarray,
-    ends: np.ndarray,
+    rows: Sequence[int],
+    kinds: Sequence[str],
+    starts: Sequence[float],
+    ends: Sequence[float],
     compute: iv.Intervals,
     *,
     pgs: Sequence[str | None],
     groups: Mapping[str, Any],
     steps: Sequence[tuple[int, float, float]],
-    anchor_us: np.ndarray,
+    anchor_us: Sequence[float],
     blocked: iv.Intervals | None = None,
 ) -> RankCollectives:
     """One rank's collectives from the overlap analysis' comm entries: ``rows`` (trace rows;
@@ -176,38 +180,37 @@ def rank_collectives(
     times already rounded as the overlap analysis rounds them),
     ``compute``, process groups ``pgs``, the trace's ``groups``, its ``steps`` and each entry's
     launch time ``anchor_us``."""
-    rows = np.asarray(rows, dtype=np.int64)
     default = None if groups else ""  # no process groups listed: one default group
     pg_all = [p if p is not None else default for p in pgs]
-    pg_known = np.array([p is not None for p in pg_all], dtype=bool)
-    idx = np.flatnonzero(_picked(trace, rows, pg_known)) if rows.size else np.empty(0, dtype=np.int64)
-    # a row's first entry is the collective itself, later ones its waits (np.unique would
-    # import numpy.ma, tens of milliseconds, on first use)
-    by_row = np.argsort(rows[idx], kind="stable")
-    sorted_rows = rows[idx][by_row]
-    first = np.ones(sorted_rows.size, dtype=bool)
-    first[1:] = sorted_rows[1:] != sorted_rows[:-1]
-    uniq, own, waits = sorted_rows[first], idx[by_row[first]], idx[by_row[~first]]
-    starts, ends = np.asarray(starts, float), np.asarray(ends, float)
-    extent_end = ends[own].copy()
-    np.maximum.at(extent_end, np.searchsorted(uniq, rows[waits]), ends[waits])
-    pg = [pg_all[i] for i in own.tolist()]
-    kind = np.asarray(kinds, dtype=object)[own]
-    keep = kind != "send_recv"
-    order = np.argsort(starts[own], kind="stable")
-    order = order[keep[order]]
+    picked = _picked(trace, rows, [p is not None for p in pg_all]) if len(rows) else []
+    # a row's first entry is the collective itself (``own``), later ones its waits, whose
+    # ends extend its extent
+    own: dict[int, int] = {}
+    extent: dict[int, float] = {}
+    for i in compress(range(len(picked)), picked):
+        r = rows[i]
+        if r not in own:
+            own[r] = i
+            extent[r] = ends[i]
+        elif ends[i] > extent[r]:
+            extent[r] = ends[i]
+    uniq = sorted(own)
+    entries = [own[r] for r in uniq]
+    order = sorted(range(len(entries)), key=lambda t: starts[entries[t]])
+    order = [t for t in order if kinds[entries[t]] != "send_recv"]
+    mine = [entries[t] for t in order]
+    step = _step_numbers([anchor_us[i] for i in mine], steps)
     wall, base = _clock(trace)
-    seq = np.array([trace.comm_seq.get(r, -1) for r in uniq.tolist()], dtype=np.int64)
     return RankCollectives(
         wall_clock=wall,
         base_ns=base,
         origin_us=trace.origin_us,
-        pg=tuple(pg[i] for i in order.tolist()),
-        seq=seq[order],
-        kind=kind[order],
-        step=_step_numbers(np.asarray(anchor_us, float)[own], steps)[order],
-        arrival_us=starts[own][order],
-        extent_end_us=extent_end[order],
+        pg=tuple(pg_all[i] for i in mine),
+        seq=tuple(trace.comm_seq.get(uniq[t], -1) for t in order),
+        kind=tuple(kinds[i] for i in mine),
+        step=tuple(step),
+        arrival_us=tuple(starts[i] for i in mine),
+        extent_end_us=tuple(extent[uniq[t]] for t in order),
         compute=compute,
         blocked=blocked,
     )
@@ -215,14 +218,15 @@ def rank_collectives(
 
 @dataclass(frozen=True, eq=False)
 class _Matches:
-    """Matched collectives as flat entries: ``match`` id, rank position, row in that rank's
+    """Matched collectives as flat entries (one per rank per match, the entries of a match
+    next to each other): ``match`` id, rank position, row in that rank's
     :class:`RankCollectives`, and arrival on the common clock."""
 
     count: int
-    match: np.ndarray
-    rank_pos: np.ndarray
-    row: np.ndarray
-    arrival_us: np.ndarray
+    match: list[int]
+    rank_pos: list[int]
+    row: list[int]
+    arrival_us: list[float]
 
 
 def _offsets(ranks: Sequence[RankReport], cols: Sequence[RankCollectives]) -> tuple[list[float], str | None]:
@@ -241,7 +245,7 @@ def _offsets(ranks: Sequence[RankReport], cols: Sequence[RankCollectives]) -> tu
 def _keys(c: RankCollectives, by_seq: set[str]) -> list[tuple | None]:
     seen: Counter[tuple] = Counter()
     keys: list[tuple | None] = []
-    for pg, seq, step in zip(c.pg, c.seq.tolist(), c.step.tolist()):
+    for pg, seq, step in zip(c.pg, c.seq, c.step):
         if pg is None:
             keys.append(None)
             continue
@@ -253,7 +257,7 @@ def _keys(c: RankCollectives, by_seq: set[str]) -> list[tuple | None]:
 
 def _match(cols: Sequence[RankCollectives], offsets: Sequence[float]) -> _Matches:
     pgs = {pg for c in cols for pg in c.pg if pg is not None}
-    by_seq = {pg for pg in pgs if all(all(s >= 0 for p, s in zip(c.pg, c.seq.tolist()) if p == pg) for c in cols)}
+    by_seq = {pg for pg in pgs if all(all(s >= 0 for p, s in zip(c.pg, c.seq) if p == pg) for c in cols)}
     table: dict[tuple, list[tuple[int, int]]] = {}
     members: dict[str, set[int]] = {}
     for i, c in enumerate(cols):
@@ -261,32 +265,43 @@ def _match(cols: Sequence[RankCollectives], offsets: Sequence[float]) -> _Matche
             if key is not None:
                 table.setdefault(key, []).append((i, j))
                 members.setdefault(key[0], set()).add(i)
-    entries: list[tuple[int, int, int]] = []
+    m = _Matches(0, [], [], [], [])
     count = 0
     for key, found in table.items():
         if len(found) < 2 or len(found) != len(members[key[0]]):
             continue
         if len({cols[i].kind[j] for i, j in found}) != 1:
             continue
-        entries.extend((count, i, j) for i, j in found)
+        for i, j in found:
+            m.match.append(count)
+            m.rank_pos.append(i)
+            m.row.append(j)
+            m.arrival_us.append(cols[i].arrival_us[j] + offsets[i])
         count += 1
-    flat = np.array(entries, dtype=np.int64).reshape(-1, 3)
-    m, pos, row = flat[:, 0], flat[:, 1], flat[:, 2]
-    arrival = np.array([cols[i].arrival_us[j] + offsets[i] for i, j in zip(pos.tolist(), row.tolist())], dtype=float)
-    return _Matches(count, m, pos, row, arrival)
+    return dataclasses.replace(m, count=count)
 
 
 def _implausible(m: _Matches, ranks: Sequence[RankReport]) -> str | None:
-    first = np.full(m.count, np.inf)
-    last = np.full(m.count, -np.inf)
-    np.minimum.at(first, m.match, m.arrival_us)
-    np.maximum.at(last, m.match, m.arrival_us)
-    spread = statistics.median((last - first).tolist())  # np.median imports numpy.ma (slow) on first use
+    first = [math.inf] * m.count
+    last = [-math.inf] * m.count
+    for k, a in zip(m.match, m.arrival_us):
+        if a < first[k]:
+            first[k] = a
+        if a > last[k]:
+            last[k] = a
+    spread = statistics.median([hi - lo for lo, hi in zip(first, last)])
     if spread <= MAX_CLOCK_OFFSET_US:
         return None
-    mean = np.bincount(m.match, weights=m.arrival_us, minlength=m.count) / np.bincount(m.match, minlength=m.count)
-    dev = m.arrival_us - mean[m.match]
-    off = {p: statistics.median(dev[m.rank_pos == p].tolist()) for p in sorted(set(m.rank_pos.tolist()))}
+    total = [0.0] * m.count
+    size = [0] * m.count
+    for k, a in zip(m.match, m.arrival_us):  # summed in entry order
+        total[k] += a
+        size[k] += 1
+    mean = [t / n for t, n in zip(total, size)]
+    devs: dict[int, list[float]] = {}
+    for k, p, a in zip(m.match, m.rank_pos, m.arrival_us):
+        devs.setdefault(p, []).append(a - mean[k])
+    off = {p: statistics.median(devs[p]) for p in sorted(devs)}
     typical = statistics.median(off.values())
     ref = min(off, key=lambda p: abs(off[p] - typical))  # the most typical clock (ties: the lowest rank)
     worst = max(off, key=lambda p: abs(off[p] - off[ref]))
@@ -295,24 +310,31 @@ def _implausible(m: _Matches, ranks: Sequence[RankReport]) -> str | None:
             f"{(off[worst] - off[ref]) / 1e6:+.1f} s off rank {ranks[ref].rank}'s")
 
 
-def _windows(m: _Matches, cols: Sequence[RankCollectives], offsets: Sequence[float]) -> list[np.ndarray]:
+def _windows(m: _Matches, cols: Sequence[RankCollectives], offsets: Sequence[float]) -> list[list[float]]:
     """Per rank, the end of each collective's skew window ``[arrival, min(last, extent end)]`` on
     its own clock (the arrival itself when the collective is not matched: an empty window)."""
-    last = np.full(m.count, -np.inf)
-    np.maximum.at(last, m.match, m.arrival_us)
-    his = []
-    for i, c in enumerate(cols):
-        sel = m.rank_pos == i
-        rows = m.row[sel]
-        hi = c.arrival_us.copy()
-        hi[rows] = np.maximum(c.arrival_us[rows], np.minimum(last[m.match[sel]] - offsets[i], c.extent_end_us[rows]))
-        his.append(hi)
+    last = [-math.inf] * m.count
+    for k, a in zip(m.match, m.arrival_us):
+        if a > last[k]:
+            last[k] = a
+    his = [list(c.arrival_us) for c in cols]
+    for k, i, j in zip(m.match, m.rank_pos, m.row):
+        c = cols[i]
+        end = last[k] - offsets[i]
+        x = c.extent_end_us[j]
+        end = end if end <= x else x
+        a = c.arrival_us[j]
+        his[i][j] = end if end >= a else a
     return his
 
 
-def _skew_us(c: RankCollectives, hi: np.ndarray, sel: np.ndarray) -> float:
-    """``|∪ skew windows ∖ compute|`` (CPU: ``∩ blocked``) over the collectives ``sel``."""
-    windows = iv.merge(c.arrival_us[sel], hi[sel])
+def _skew_us(c: RankCollectives, hi: Sequence[float], sel: Iterable[bool] | None = None) -> float:
+    """``|∪ skew windows ∖ compute|`` (CPU: ``∩ blocked``) over the collectives ``sel`` (all: ``None``)."""
+    lo = c.arrival_us
+    if sel is not None:
+        sel = list(sel)
+        lo, hi = list(compress(lo, sel)), list(compress(hi, sel))
+    windows = iv.merge(lo, hi)
     if c.blocked is not None:
         return iv.total_us(iv.intersect(windows, c.blocked))
     return iv.total_us(iv.subtract(windows, c.compute))
@@ -323,44 +345,53 @@ def _split(skew: float, exposed: float) -> tuple[float, float]:
     return s, max(exposed - s, 0.0)
 
 
-def _split_rank(r: RankReport, c: RankCollectives, hi: np.ndarray) -> RankReport:
-    by_kind = {kind: WaitSplit(*_split(_skew_us(c, hi, c.kind == kind), t.exposed_us)) for kind, t in r.by_kind.items()}
+def _split_rank(r: RankReport, c: RankCollectives, hi: Sequence[float]) -> RankReport:
+    by_kind = {kind: WaitSplit(*_split(_skew_us(c, hi, (k == kind for k in c.kind)), t.exposed_us))
+               for kind, t in r.by_kind.items()}
     steps = []
     for s in r.steps:
-        sk, tr = _split(_skew_us(c, hi, c.step == s.step), s.exposed_us)
+        sk, tr = _split(_skew_us(c, hi, (x == s.step for x in c.step)), s.exposed_us)
         steps.append(dataclasses.replace(s, skew_us=sk, transfer_us=tr))
-    total, transfer = _split(_skew_us(c, hi, np.ones(len(c), dtype=bool)), r.exposed_us)
+    total, transfer = _split(_skew_us(c, hi), r.exposed_us)
     return dataclasses.replace(r, skew_us=total, transfer_us=transfer, skew_by_kind=by_kind, steps=tuple(steps),
                                collectives=None)
 
 
-def _step_weights(r: RankReport, c: RankCollectives) -> np.ndarray:
+def _step_weights(r: RankReport, c: RankCollectives) -> list[float]:
     """Per collective: 1 / complete steps when it lies in a complete step (0 outside); 1
     without step markers (whole-trace totals)."""
     full = {s.step for s in r.full_steps}
     if not full:
-        return np.ones(len(c))
-    return np.array([s in full for s in c.step.tolist()], dtype=float) / len(full)
+        return [1.0] * len(c)
+    n = len(full)
+    return [(1.0 if s in full else 0.0) / n for s in c.step]
 
 
-def _stragglers(m: _Matches, skew: np.ndarray, ranks: Sequence[RankReport],
+def _stragglers(m: _Matches, skew: Sequence[float], ranks: Sequence[RankReport],
                 cols: Sequence[RankCollectives]) -> tuple[dict[str, Any], ...]:
-    order = np.lexsort((m.arrival_us, m.match))
-    ends = np.flatnonzero(np.diff(np.append(m.match[order], m.count)))  # the last entry of each match
-    latest, second = order[ends], order[ends - 1]  # every match has two or more entries
-    late = (m.arrival_us[latest] - m.arrival_us[second]) > LATE_MARGIN_US
-    late_pos = np.full(m.count, -1)
-    late_pos[m.match[latest[late]]] = m.rank_pos[latest[late]]
+    arrival, rank_pos = m.arrival_us, m.rank_pos
+    by_match: list[list[int]] = [[] for _ in range(m.count)]
+    for e, k in enumerate(m.match):
+        by_match[k].append(e)
+    late_pos = [-1] * m.count
+    late_count = [0] * len(ranks)
+    for k, entries in enumerate(by_match):  # every match has two or more entries
+        entries.sort(key=arrival.__getitem__)
+        latest, second = entries[-1], entries[-2]
+        if arrival[latest] - arrival[second] > LATE_MARGIN_US:
+            late_pos[k] = rank_pos[latest]
+            late_count[rank_pos[latest]] += 1
     weights = [_step_weights(r, c) for r, c in zip(ranks, cols)]
-    w = np.array([weights[i][j] for i, j in zip(m.rank_pos.tolist(), m.row.tolist())], dtype=float)
-    culprit = late_pos[m.match]
-    waited = (culprit >= 0) & (culprit != m.rank_pos)
-    caused = np.bincount(culprit[waited], weights=(skew * w)[waited], minlength=len(ranks))
-    late_count = np.bincount(m.rank_pos[latest[late]], minlength=len(ranks))
-    took_part = np.bincount(m.rank_pos, minlength=len(ranks))
+    caused = [0.0] * len(ranks)
+    took_part = [0] * len(ranks)
+    for k, p, j, sk in zip(m.match, rank_pos, m.row, skew):  # summed in entry order
+        took_part[p] += 1
+        culprit = late_pos[k]
+        if culprit >= 0 and culprit != p:
+            caused[culprit] += sk * weights[p][j]
     out = [
-        {"rank": ranks[p].rank, "late_count": int(late_count[p]), "late_frac": float(late_count[p] / took_part[p]),
-         "caused_wait_us_per_step": float(caused[p])}
+        {"rank": ranks[p].rank, "late_count": late_count[p], "late_frac": late_count[p] / took_part[p],
+         "caused_wait_us_per_step": caused[p]}
         for p in range(len(ranks)) if late_count[p] > 0
     ]
     out.sort(key=lambda d: (-d["caused_wait_us_per_step"], -d["late_count"], d["rank"]))
@@ -392,7 +423,8 @@ def cross_rank(
     his = _windows(m, cols, offsets)
     # each matched collective's own skew, |window ∖ compute|, for who caused it
     own = [iv.measure_in_windows(c.blocked, c.arrival_us, hi) if c.blocked is not None
-           else (hi - c.arrival_us) - iv.measure_in_windows(c.compute, c.arrival_us, hi) for c, hi in zip(cols, his)]
-    skew = np.array([own[i][j] for i, j in zip(m.rank_pos.tolist(), m.row.tolist())], dtype=float)
+           else [x - y for x, y in zip(map(sub, hi, c.arrival_us), iv.measure_in_windows(c.compute, c.arrival_us, hi))]
+           for c, hi in zip(cols, his)]
+    skew = [own[i][j] for i, j in zip(m.rank_pos, m.row)]
     split = tuple(_split_rank(r, c, hi) for r, c, hi in zip(ranks, cols, his))
-    return split, _stragglers(m, np.maximum(skew, 0.0), ranks, cols), []
+    return split, _stragglers(m, [x if x >= 0.0 else 0.0 for x in skew], ranks, cols), []

@@ -50,22 +50,22 @@ merged on their own, so slices may overlap in time and need not sum to the total
 
 from __future__ import annotations
 
-import re
+import statistics
+from bisect import bisect_left, bisect_right
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from itertools import compress, repeat
+from operator import and_, eq, itemgetter
 from typing import Any
 
-import numpy as np
-
 from cpdpkit.profiler import intervals as iv
-from cpdpkit.profiler.classify import parse_emu_label
+from cpdpkit.profiler.classify import STEP_NAME, parse_emu_label
 from cpdpkit.profiler.crossrank import rank_collectives
 from cpdpkit.profiler.report import CommTotals, RankReport, StepReport
 from cpdpkit.profiler.trace import RankTrace
 
 __all__ = ["analyze_trace", "PARTIAL_STEP_FRACTION", "IDLE_GAP_US", "WAIT_SLACK_US"]
 
-_STEP = re.compile(r"^ProfilerStep#(\d+)$")
 _CPU_OP_CATS = frozenset({"cpu_op", "operator"})  # compared lowercased: torch 1.8 wrote "Operator"
 # GPU-stream events that are no kernel, whatever their name (categories of torch 1.8 to 2.x)
 _NOT_COMPUTE_CATS = frozenset({"gpu_memcpy", "gpu_memset", "memcpy", "memset", "cuda_sync", "gpu_user_annotation"})
@@ -83,53 +83,57 @@ WAIT_SLACK_US = 100.0
 # of the median complete step
 PARTIAL_STEP_FRACTION = 0.1
 
-
-def _per_name(trace: RankTrace, attr: str, values: Iterable[str]) -> np.ndarray:
-    wanted = set(values)
-    return np.array([getattr(c, attr) in wanted for c in trace.name_classes], dtype=bool)[trace.name_id]
+_Steps = list[tuple[int, float, float]]  # (ProfilerStep number, start_us, end_us), sorted by start
 
 
-def _cat_in(trace: RankTrace, cats: frozenset[str]) -> np.ndarray:
-    return np.array([c.lower() in cats for c in trace.cats], dtype=bool)[trace.cat_id]
+def _name_flags(trace: RankTrace, attr: str, values: Collection[str]) -> list[bool]:
+    return [getattr(c, attr) in values for c in trace.name_classes]
 
 
-def _is_cpu_op(trace: RankTrace) -> np.ndarray:
-    return _cat_in(trace, _CPU_OP_CATS)
+def _cat_flags(trace: RankTrace, cats: frozenset[str]) -> list[bool]:
+    return [c.lower() in cats for c in trace.cats]
 
 
-def _training_thread(trace: RankTrace, on_cpu: np.ndarray, step_rows: np.ndarray) -> int | None:
-    if step_rows.size:
-        return int(Counter(trace.thread_id[step_rows].tolist()).most_common(1)[0][0])
-    rows = np.flatnonzero(on_cpu & _is_cpu_op(trace))
-    if not rows.size:
+def _training_thread(trace: RankTrace, step_rows: list[int]) -> int | None:
+    tid = trace.thread_id
+    if step_rows:
+        return Counter(tid[r] for r in step_rows).most_common(1)[0][0]
+    is_op, stream = _cat_flags(trace, _CPU_OP_CATS), trace.stream
+    rows = [r for r in compress(range(trace.num_events), map(is_op.__getitem__, trace.cat_id)) if stream[r] == -1]
+    if not rows:
         return None
-    busy = np.bincount(trace.thread_id[rows], weights=trace.end_us[rows] - trace.start_us[rows])
-    for tid, label in trace.thread_names.items():
-        if "gloo" in label and tid < busy.size:
-            busy[tid] = -1.0
-    return int(np.argmax(busy))
+    s, e = trace.start_us, trace.end_us
+    busy = [0.0] * (max(tid[r] for r in rows) + 1)
+    for r in rows:  # summed in row order
+        busy[tid[r]] += e[r] - s[r]
+    for t, label in trace.thread_names.items():
+        if "gloo" in label and t < len(busy):
+            busy[t] = -1.0
+    return max(range(len(busy)), key=busy.__getitem__)  # the first of equals
 
 
-def _steps(trace: RankTrace, thread: int | None, step_rows: np.ndarray) -> list[tuple[int, float, float]]:
-    rows = step_rows if thread is None else step_rows[trace.thread_id[step_rows] == thread]
-    steps = [
-        (int(_STEP.match(trace.names[trace.name_id[r]]).group(1)), float(trace.start_us[r]), float(trace.end_us[r]))
-        for r in rows
-    ]
-    return sorted(steps, key=lambda s: s[1])
+def _steps(trace: RankTrace, thread: int | None, step_rows: list[int]) -> _Steps:
+    tid, nid, names = trace.thread_id, trace.name_id, trace.names
+    rows = step_rows if thread is None else [r for r in step_rows if tid[r] == thread]
+    s, e = trace.start_us, trace.end_us
+    steps = [(int(STEP_NAME.match(names[nid[r]]).group(1)), s[r], e[r]) for r in rows]  # type: ignore[union-attr]
+    return sorted(steps, key=lambda x: x[1])
 
 
-def _kinds_of(trace: RankTrace, rows: np.ndarray) -> np.ndarray:
-    if not rows.size:
-        return np.empty(0, dtype=object)
-    gpu_table = np.array([c.kind or "other" for c in trace.name_classes], dtype=object)
-    cpu_table = np.array([c.cpu_kind or "other" for c in trace.name_classes], dtype=object)
-    nid = trace.name_id[rows]
-    kinds = np.where(trace.stream[rows] != -1, gpu_table[nid], cpu_table[nid])
-    for i, row in enumerate(rows.tolist()):
-        if row in trace.comm_kind:
-            kinds[i] = trace.comm_kind[row]
-    return kinds
+def _kinds_of(trace: RankTrace, rows: Sequence[int]) -> list[str]:
+    """Each row's collective kind: its ``Collective name`` argument, else by its name."""
+    if not rows:
+        return []
+    gpu_table = [c.kind or "other" for c in trace.name_classes]
+    cpu_table = [c.cpu_kind or "other" for c in trace.name_classes]
+    nid, stream, comm_kind = trace.name_id, trace.stream, trace.comm_kind
+    out = []
+    for r in rows:
+        kind = comm_kind.get(r)
+        if kind is None:
+            kind = gpu_table[nid[r]] if stream[r] != -1 else cpu_table[nid[r]]
+        out.append(kind)
+    return out
 
 
 def _process_groups(trace: RankTrace) -> dict[str, dict[str, Any]]:
@@ -147,7 +151,7 @@ def _process_groups(trace: RankTrace) -> dict[str, dict[str, Any]]:
     return groups
 
 
-def _labels(trace: RankTrace, rows: np.ndarray, groups: Mapping[str, Mapping[str, Any]]) -> tuple[list, list]:
+def _labels(trace: RankTrace, rows: Sequence[int], groups: Mapping[str, Mapping[str, Any]]) -> tuple[list, list]:
     """Process group and tier of each comm row (``None`` when unknown)."""
     by_ranks: dict[tuple[int, ...], list[str]] = {}
     for name, pg in groups.items():
@@ -157,8 +161,8 @@ def _labels(trace: RankTrace, rows: np.ndarray, groups: Mapping[str, Mapping[str
     pgs: list[str | None] = []
     tiers: list[str | None] = []
     emu_cache: dict[int, Any] = {}
-    for row in rows.tolist():
-        nid = int(trace.name_id[row])
+    for row in rows:
+        nid = trace.name_id[row]
         pg, tier = trace.pg_name.get(row), None
         if trace.name_classes[nid].cpu_role == "emu" and trace.stream[row] == -1:
             if nid not in emu_cache:
@@ -174,7 +178,7 @@ def _labels(trace: RankTrace, rows: np.ndarray, groups: Mapping[str, Mapping[str
     return pgs, tiers
 
 
-def _split(starts: np.ndarray, ends: np.ndarray, compute: iv.Intervals,
+def _split(starts: Sequence[float], ends: Sequence[float], compute: iv.Intervals,
            keep: iv.Intervals | None = None) -> tuple[iv.Intervals, iv.Intervals, iv.Intervals]:
     """(comm, exposed, hidden) of the intervals; with ``keep`` (CPU mode: the training thread's
     compute and blocked time) communication outside ``keep`` is dropped, so exposed is what
@@ -189,127 +193,163 @@ def _totals(comm: iv.Intervals, exposed: iv.Intervals, hidden: iv.Intervals) -> 
     return CommTotals(iv.total_us(comm), iv.total_us(exposed), iv.total_us(hidden))
 
 
-def _grouped(labels: Iterable[Any], starts: np.ndarray, ends: np.ndarray,
+def _by_label(labels: Iterable[Any], starts: Iterable[float],
+              ends: Iterable[float]) -> dict[Any, tuple[list[float], list[float]]]:
+    """The intervals of each label (``None`` left out), sorted by label, in their order."""
+    by: dict[Any, tuple[list[float], list[float]]] = {}
+    for label, s, e in zip(labels, starts, ends):
+        if label is not None:
+            got = by.get(label)
+            if got is None:
+                got = by[label] = ([], [])
+            got[0].append(s)
+            got[1].append(e)
+    return {label: by[label] for label in sorted(by)}
+
+
+def _grouped(labels: Iterable[Any], starts: Sequence[float], ends: Sequence[float],
              compute: iv.Intervals, keep: iv.Intervals | None = None) -> dict[str, CommTotals]:
-    labels = np.asarray(list(labels), dtype=object)
-    out: dict[str, CommTotals] = {}
-    for label in sorted({x for x in labels.tolist() if x is not None}):
-        sel = labels == label
-        out[str(label)] = _totals(*_split(starts[sel], ends[sel], compute, keep))
-    return out
+    by = _by_label(labels, starts, ends)
+    return {str(label): _totals(*_split(s, e, compute, keep)) for label, (s, e) in by.items()}
 
 
-def _launch_us(trace: RankTrace, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """CPU start of the event that launched each row (same correlation id), and whether one
-    was found; rows without a launch keep their own start."""
-    anchor = trace.start_us[rows].copy()
-    found = np.zeros(rows.size, dtype=bool)
-    launches = np.flatnonzero((trace.stream == -1) & (trace.correlation >= 0))
-    if launches.size and rows.size:
-        corr = trace.correlation[launches]
-        order = np.argsort(corr, kind="stable")
-        corr_sorted, launch_us = corr[order], trace.start_us[launches][order]
-        want = trace.correlation[rows]
-        pos = np.clip(np.searchsorted(corr_sorted, want), 0, corr_sorted.size - 1)
-        found = (want >= 0) & (corr_sorted[pos] == want)
-        anchor[found] = launch_us[pos[found]]
-    return anchor, found
+def _launches(trace: RankTrace) -> dict[int, float]:
+    """Correlation id -> CPU start of the first event (by row) with it: the launch of the GPU
+    work that carries the same correlation id."""
+    rows = trace.launch_rows()
+    if len(rows) < 2:
+        return {trace.correlation[r]: trace.start_us[r] for r in rows}
+    rows.reverse()  # the first row of a correlation id is written last, so it wins
+    take = itemgetter(*rows)  # gathers in C
+    return dict(zip(take(trace.correlation), take(trace.start_us)))
 
 
-def _step_index(anchor: np.ndarray, steps: list[tuple[int, float, float]]) -> np.ndarray:
-    starts = np.array([s[1] for s in steps])
-    ends = np.array([s[2] for s in steps])
-    idx = np.searchsorted(starts, anchor, side="right") - 1
-    inside = (idx >= 0) & (anchor <= ends[np.clip(idx, 0, None)])
-    return np.where(inside, idx, -1)
+def _launch_us(trace: RankTrace, rows: Sequence[int], launches: Mapping[int, float]) -> tuple[list[float], list[bool]]:
+    """CPU start of the event that launched each row (same correlation id, ``launches``), and
+    whether one was found; rows without a launch keep their own start."""
+    corr, start = trace.correlation, trace.start_us
+    ids = [corr[r] for r in rows]
+    return list(map(launches.get, ids, [start[r] for r in rows])), list(map(launches.__contains__, ids))
 
 
-def _hta_kept(
-    trace: RankTrace, rows: np.ndarray, anchor: np.ndarray, found: np.ndarray, steps: list[tuple[int, float, float]]
-) -> np.ndarray:
-    """HTA's filter: with two or more steps, keep GPU work launched before the last step
-    starts (the last step may be cut off by the end of the trace); CPU rows by their start.
-    ``anchor``/``found`` are :func:`_launch_us` of ``rows``."""
-    if len(steps) < 2:
-        return np.ones(rows.size, dtype=bool)
-    on_cpu = trace.stream[rows] == -1
-    return (found | on_cpu) & (anchor < steps[-1][1])
-
-
-def _mark_partial(steps: list[tuple[int, float, float]]) -> list[bool]:
+def _mark_partial(steps: _Steps) -> list[bool]:
     partial = [False] * len(steps)
     if len(steps) >= 2:
         durations = [e - s for _, s, e in steps]
-        if durations[-1] < PARTIAL_STEP_FRACTION * float(np.median(durations[:-1])):
+        if durations[-1] < PARTIAL_STEP_FRACTION * statistics.median(durations[:-1]):
             partial[-1] = True
     return partial
 
 
 def _steps_cpu(
-    steps: list[tuple[int, float, float]],
+    steps: _Steps,
     compute: iv.Intervals,
     sets: Mapping[str | None, tuple[iv.Intervals, iv.Intervals, iv.Intervals]],
-    op_starts: np.ndarray,
+    op_starts: list[float],
 ) -> list[StepReport]:
-    lo = np.array([s[1] for s in steps])
-    hi = np.array([s[2] for s in steps])
+    lo = [s[1] for s in steps]
+    hi = [s[2] for s in steps]
     measured = {key: [iv.measure_in_windows(x, lo, hi) for x in triple] for key, triple in sets.items()}
     compute_us = iv.measure_in_windows(compute, lo, hi)
     out = []
     for k, ((num, start, end), partial) in enumerate(zip(steps, _mark_partial(steps))):
-        by_kind = {
-            key: CommTotals(*(float(m[k]) for m in ms)) for key, ms in measured.items() if key and ms[0][k] > 0
-        }
-        c, e, h = (float(m[k]) for m in measured[None])
+        by_kind = {key: CommTotals(*(m[k] for m in ms)) for key, ms in measured.items() if key and ms[0][k] > 0}
+        c, e, h = (m[k] for m in measured[None])
         # a last step in which the training thread starts no op is the one left open at exit
-        no_ops = np.searchsorted(op_starts, end, "right") == np.searchsorted(op_starts, start, "left")
-        empty = bool(k == len(steps) - 1 and len(steps) > 1 and c == 0 and no_ops)
-        out.append(StepReport(num, end - start, float(compute_us[k]), c, e, h, by_kind, partial or empty))
+        no_ops = bisect_right(op_starts, end) == bisect_left(op_starts, start)
+        empty = k == len(steps) - 1 and len(steps) > 1 and c == 0 and no_ops
+        out.append(StepReport(num, end - start, compute_us[k], c, e, h, by_kind, partial or empty))
     return out
 
 
-def _steps_gpu(
-    steps: list[tuple[int, float, float]],
-    compute_rows: np.ndarray,
-    compute_anchor: np.ndarray,
-    comm_rows: np.ndarray,
-    comm_anchor: np.ndarray,
-    kinds: np.ndarray,
-    s_all: np.ndarray,
-    e_all: np.ndarray,
-) -> list[StepReport]:
-    comm_step = _step_index(comm_anchor, steps)
-    compute_step = _step_index(compute_anchor, steps)
-    compute = iv.merge(s_all[compute_rows], e_all[compute_rows])
+def _per_step(step: list[int], num_steps: int, *columns: Sequence[Any]) -> list[list[list[Any]]]:
+    """``columns`` split by ``step`` (each entry's step index, -1: none): per step, per column,
+    the step's entries in their order."""
+    order = sorted(range(len(step)), key=step.__getitem__)  # stable: entries keep their order
+    keys = [step[i] for i in order]
+    cols = [[c[i] for i in order] for c in columns]
+    bounds = [bisect_left(keys, k) for k in range(num_steps + 1)]
+    return [[c[lo:hi] for c in cols] for lo, hi in zip(bounds, bounds[1:])]
+
+
+def _steps_gpu(steps: _Steps, compute: tuple[list[float], list[float], list[int]],
+               comm: tuple[list[float], list[float], list[int]], kinds: list[str],
+               compute_all: iv.Intervals) -> list[StepReport]:
+    """Per step: ``compute`` and ``comm`` are (starts, ends, step indexes) of all compute and
+    comm rows (not only HTA's kept ones), ``kinds`` the comm rows' kinds, ``compute_all`` the
+    merged compute rows."""
+    comm_by = _per_step(comm[2], len(steps), comm[0], comm[1], kinds)
+    mine_by = _per_step(compute[2], len(steps), compute[0], compute[1])
     partial = [False] * (len(steps) - 1) + [len(steps) >= 2]
     out = []
     for k, (num, start, end) in enumerate(steps):
-        rows = comm_rows[comm_step == k]
-        mine = compute_rows[compute_step == k]
-        total = _totals(*_split(s_all[rows], e_all[rows], compute))
-        by_kind = _grouped(kinds[comm_step == k], s_all[rows], e_all[rows], compute)
-        out.append(StepReport(num, end - start, iv.total_us(iv.merge(s_all[mine], e_all[mine])),
+        cs, ce, ck = comm_by[k]
+        total = _totals(*_split(cs, ce, compute_all))
+        by_kind = _grouped(ck, cs, ce, compute_all)
+        out.append(StepReport(num, end - start, iv.total_us(iv.merge(*mine_by[k])),
                               total.comm_us, total.exposed_us, total.hidden_us, by_kind, partial[k]))
     return out
 
 
-def _waits(g0: np.ndarray, g1: np.ndarray, done: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _waits(g0: Sequence[float], g1: Sequence[float],
+           done: Sequence[float]) -> tuple[list[bool], list[float], list[int]]:
     """Which of the training thread's gaps ``[g0, g1]`` are waits, where each wait ends, and the
     index in ``done`` (sorted completion times of in-flight collectives) of the first collective
     completing in it (the one the wait is attributed to). A gap is a wait when a collective
     completes in it (or up to ``WAIT_SLACK_US`` after it); the wait lasts until the last such
     completion plus ``WAIT_SLACK_US`` (the waiter's wake-up), at most to the gap's end."""
-    if not done.size:
-        return np.zeros(g0.size, dtype=bool), g1, np.zeros(g0.size, dtype=np.int64)
-    k = np.minimum(np.searchsorted(done, g0, side="left"), done.size - 1)
-    completes = (done[k] >= g0) & (done[k] <= g1 + WAIT_SLACK_US)
-    last = done[np.maximum(np.searchsorted(done, g1 + WAIT_SLACK_US, side="right") - 1, 0)]
-    return completes, np.where(completes, np.clip(last + WAIT_SLACK_US, g0, g1), g1), k
+    if not done:
+        return [False] * len(g0), list(g1), [0] * len(g0)
+    top = len(done) - 1
+    completes: list[bool] = []
+    wait_end: list[float] = []
+    first: list[int] = []
+    for a, b in zip(g0, g1):
+        k = bisect_left(done, a)
+        if k > top:
+            k = top
+        late = b + WAIT_SLACK_US
+        c = a <= done[k] <= late
+        completes.append(c)
+        first.append(k)
+        if c:
+            j = bisect_right(done, late) - 1
+            end = done[j if j > 0 else 0] + WAIT_SLACK_US
+            end = end if end > a else a
+            wait_end.append(end if end < b else b)
+        else:
+            wait_end.append(b)
+    return completes, wait_end, first
 
 
-def _cpu_timeline(
-    trace: RankTrace, thread: int | None, role: Any
-) -> tuple[iv.Intervals, iv.Intervals, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+_Timeline = tuple[iv.Intervals, iv.Intervals, list[float], list[float], list[int], list[float]]
+
+
+def _thread_events(trace: RankTrace, thread: int) -> tuple[list[int], list[int], list[int]]:
+    """The training thread's ops (``cpu_op`` events of compute names), its communication call
+    sites and phases, and its other events (marks), each in row order."""
+    rows = compress(range(trace.num_events),
+                    map(and_, map(eq, trace.thread_id, repeat(thread)), map(eq, trace.stream, repeat(-1))))
+    is_op = _cat_flags(trace, _CPU_OP_CATS)
+    compute_name = _name_flags(trace, "cpu_role", {"cpu"})
+    comm_name = _name_flags(trace, "cpu_role", _TRAINING_COMM_ROLES)
+    nid, cat = trace.name_id, trace.cat_id
+    ops: list[int] = []
+    comm: list[int] = []
+    marks: list[int] = []
+    for r in rows:
+        n = nid[r]
+        if is_op[cat[r]]:
+            if compute_name[n]:
+                ops.append(r)
+        else:
+            marks.append(r)
+        if comm_name[n]:
+            comm.append(r)
+    return ops, comm, marks
+
+
+def _cpu_timeline(trace: RankTrace, thread: int | None, role: Any) -> _Timeline:
     """The training thread's compute, its blocked time (call sites, sync phases and waits),
     its waits as ``(starts, ends, collective_rows)``, and the sorted start times of its ops.
 
@@ -318,114 +358,158 @@ def _cpu_timeline(
     collective completes starts with a wait (:func:`_waits`); what is left of it, and any
     other gap, is overhead when shorter than ``IDLE_GAP_US``, else idle (neither compute nor
     blocked)."""
-    none = np.empty(0, dtype=np.float64)
     if thread is None:
-        return iv.EMPTY, iv.EMPTY, none, none, np.empty(0, dtype=np.int64), none
-    on_thread = (trace.thread_id == thread) & (trace.stream == -1)
-    is_op = _is_cpu_op(trace)
-    ops = np.flatnonzero(on_thread & is_op & role({"cpu"}))
-    comm_here = np.flatnonzero(on_thread & role(_TRAINING_COMM_ROLES))
+        return iv.EMPTY, iv.EMPTY, [], [], [], []
+    ops, comm_here, marks = _thread_events(trace, thread)
     s, e = trace.start_us, trace.end_us
-    blocked = iv.merge(s[comm_here], e[comm_here])
+    blocked = iv.merge([s[r] for r in comm_here], [e[r] for r in comm_here])
     # the thread's other events (ProfilerStep#N, record_function labels) show it running at
     # their edges: zero-length marks split gaps there, so a wait ends at its step's end
-    marks = np.flatnonzero(on_thread & ~is_op)
-    edges = np.concatenate([s[marks], e[marks]])
-    active = iv.union(iv.merge(s[ops], e[ops]), blocked, iv.merge(edges, edges))
-    wait_s, wait_e, wait_rows = none, none, np.empty(0, dtype=np.int64)
+    edges = [s[r] for r in marks] + [e[r] for r in marks]
+    ops_s = [s[r] for r in ops]
+    active = iv.union(iv.merge(ops_s, [e[r] for r in ops]), blocked, iv.merge(edges, edges))
+    wait_s: list[float] = []
+    wait_e: list[float] = []
+    wait_rows: list[int] = []
     if len(active) > 1:
         g0, g1 = active.ends[:-1], active.starts[1:]
-        inflight = np.flatnonzero(role(_INFLIGHT_ROLES))
-        inflight = inflight[np.argsort(e[inflight], kind="stable")]
-        completes, wait_end, k = _waits(g0, g1, e[inflight])
+        inflight = sorted(role(_INFLIGHT_ROLES), key=e.__getitem__)
+        completes, wait_end, k = _waits(g0, g1, [e[r] for r in inflight])
         # a thread waiting on an emulated collective sleeps to its modeled end itself, while
         # the emulator's event may close milliseconds later (its Python helper thread waits
         # for the GIL): a wait whose gap ends inside an emulated link lasts to the gap's end
-        emu = np.flatnonzero(role({"emu"}))
-        links = iv.merge(s[emu], e[emu])
-        at = np.searchsorted(links.starts, g1, side="left") - 1
-        in_link = (at >= 0) & (links.ends[np.maximum(at, 0)] > g1) if len(links) else np.zeros(g1.size, dtype=bool)
-        wait_end = np.where(completes & in_link, g1, wait_end)
+        emu = role({"emu"})
+        link_s, link_e = iv.merge([s[r] for r in emu], [e[r] for r in emu])
+        if link_s:
+            for i, (b, c) in enumerate(zip(g1, completes)):
+                at = bisect_left(link_s, b) - 1
+                if c and at >= 0 and link_e[at] > b:
+                    wait_end[i] = b
         # what follows a wait's end in its gap (Python after wait(): freeing tensors, the next
         # call; or the thread descheduled) is a gap of its own: overhead when short, else idle
-        rest = np.where(completes, wait_end, g0)
-        overhead = (g1 - rest < IDLE_GAP_US) & (g1 > rest)
-        active = iv.union(active, iv.Intervals(rest[overhead], g1[overhead]))
-        wait_s, wait_e, wait_rows = g0[completes], wait_end[completes], inflight[k[completes]]
-    op_starts = np.sort(np.concatenate([s[ops], s[comm_here]]))
+        over_s: list[float] = []
+        over_e: list[float] = []
+        for a, b, c, w in zip(g0, g1, completes, wait_end):
+            rest = w if c else a
+            if b - rest < IDLE_GAP_US and b > rest:
+                over_s.append(rest)
+                over_e.append(b)
+        active = iv.union(active, iv.Intervals(over_s, over_e))
+        wait_s = list(compress(g0, completes))
+        wait_e = list(compress(wait_end, completes))
+        wait_rows = [inflight[j] for j in compress(k, completes)]
+    op_starts = sorted(ops_s + [s[r] for r in comm_here])
     blocked = iv.union(blocked, iv.merge(wait_s, wait_e))
     return iv.subtract(active, blocked), blocked, wait_s, wait_e, wait_rows, op_starts
 
 
-def _whole_us(trace: RankTrace, on_gpu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Round GPU events inward to whole microseconds (start up, end down), as HTA does for
-    nanosecond-resolution traces, whose adjacent kernels on one stream can overlap slightly."""
-    start, end = trace.start_us.copy(), trace.end_us.copy()
-    o = trace.origin_us
-    start[on_gpu] = np.ceil(start[on_gpu] + o) - o
-    end[on_gpu] = np.maximum(np.floor(end[on_gpu] + o) - o, start[on_gpu])
-    return start, end
+def _gpu_rows(trace: RankTrace, rows: Sequence[int], launches: Mapping[int, float],
+             steps: _Steps) -> tuple[list[float], list[float], list[bool], list[int]]:
+    """Per row, in one pass: its start and end, GPU events rounded inward to whole
+    microseconds (start up, end down) as HTA does for nanosecond-resolution traces, whose
+    adjacent kernels on one stream can overlap slightly; whether HTA's filter keeps it (with
+    two or more steps: GPU work launched before the last step starts, the last step may be cut
+    off by the end of the trace; CPU rows by their start); and the index of the step whose
+    window holds its launch (-1: none). The launch is the CPU event with the same correlation
+    id (``launches``); a row without one counts from its own (unrounded) start."""
+    s, e, stream, corr, o = trace.start_us, trace.end_us, trace.stream, trace.correlation, trace.origin_us
+    last = steps[-1][1] if len(steps) >= 2 else None
+    step_lo = [x[1] for x in steps]
+    step_hi = [x[2] for x in steps]
+    starts: list[float] = []
+    ends: list[float] = []
+    kept: list[bool] = []
+    step: list[int] = []
+    for r in rows:
+        a, b = s[r], e[r]
+        launch = launches.get(corr[r])
+        found = launch is not None
+        if not found:
+            launch = a
+        if stream[r] != -1:
+            # ceil(y) = -(-y // 1.0) and floor(y) = y // 1.0 exactly, in floats
+            a = -(-(a + o) // 1.0) - o
+            b = (b + o) // 1.0 - o
+            if not b >= a:
+                b = a
+            kept.append(last is None or (found and launch < last))
+        else:
+            kept.append(last is None or launch < last)
+        k = bisect_right(step_lo, launch) - 1
+        step.append(k if k >= 0 and launch <= step_hi[k] else -1)
+        starts.append(a)
+        ends.append(b)
+    return starts, ends, kept, step
 
 
-def _gpu_analysis(trace, steps, on_gpu, gpu_comm, gpu_compute, role):  # type: ignore[no-untyped-def]
+def _gpu_analysis(trace, steps, gpu_comm, gpu_compute, role, launches):  # type: ignore[no-untyped-def]
     """GPU mode: (label rows, their kinds, comm starts, comm ends, compute, step reports)."""
-    s_all, e_all = _whole_us(trace, on_gpu)
-    all_comm = np.flatnonzero(gpu_comm | role({"emu"}))
-    all_compute = np.flatnonzero(gpu_compute)
-    comm_anchor, comm_found = _launch_us(trace, all_comm)
-    compute_anchor, compute_found = _launch_us(trace, all_compute)
+    all_comm = sorted(gpu_comm + role({"emu"}))
+    comm_s, comm_e, comm_kept, comm_step = _gpu_rows(trace, all_comm, launches, steps)
+    compute_s, compute_e, compute_kept, compute_step = _gpu_rows(trace, gpu_compute, launches, steps)
     all_kinds = _kinds_of(trace, all_comm)
-    comm_kept = _hta_kept(trace, all_comm, comm_anchor, comm_found, steps)
-    comm_rows = all_comm[comm_kept]
-    compute_rows = all_compute[_hta_kept(trace, all_compute, compute_anchor, compute_found, steps)]
-    compute = iv.merge(s_all[compute_rows], e_all[compute_rows])
+    compute_all = iv.merge(compute_s, compute_e)
+    compute = compute_all if all(compute_kept) else iv.merge(list(compress(compute_s, compute_kept)),
+                                                             list(compress(compute_e, compute_kept)))
     step_reports = (
-        _steps_gpu(steps, all_compute, compute_anchor, all_comm, comm_anchor, all_kinds, s_all, e_all) if steps else []
+        _steps_gpu(steps, (compute_s, compute_e, compute_step), (comm_s, comm_e, comm_step), all_kinds,
+                   compute_all)
+        if steps else []
     )
-    return comm_rows, all_kinds[comm_kept], s_all[comm_rows], e_all[comm_rows], compute, step_reports
+    return (list(compress(all_comm, comm_kept)), list(compress(all_kinds, comm_kept)),
+            list(compress(comm_s, comm_kept)), list(compress(comm_e, comm_kept)), compute, step_reports)
 
 
 def _cpu_analysis(trace, steps, thread, role):  # type: ignore[no-untyped-def]
     """CPU mode: (label rows, their kinds, comm starts, comm ends, compute, blocked, step reports)."""
     compute, blocked, wait_s, wait_e, wait_rows, op_starts = _cpu_timeline(trace, thread, role)
     keep = iv.union(compute, blocked)
-    rows = np.flatnonzero(role(_CPU_COMM_ROLES))
-    label_rows = np.concatenate([rows, wait_rows])
-    cs = np.concatenate([trace.start_us[rows], wait_s])
-    ce = np.concatenate([trace.end_us[rows], wait_e])
+    rows = role(_CPU_COMM_ROLES)
+    s, e = trace.start_us, trace.end_us
+    label_rows = rows + wait_rows
+    cs = [s[r] for r in rows] + wait_s
+    ce = [e[r] for r in rows] + wait_e
     kinds = _kinds_of(trace, label_rows)
     sets: dict[str | None, Any] = {None: _split(cs, ce, compute, keep)}
-    for kind in sorted(set(kinds.tolist())):
-        sel = kinds == kind
-        sets[kind] = _split(cs[sel], ce[sel], compute, keep)
+    for kind, (ks, ke) in _by_label(kinds, cs, ce).items():
+        sets[kind] = _split(ks, ke, compute, keep)
     step_reports = _steps_cpu(steps, compute, sets, op_starts) if steps else []
     return label_rows, kinds, cs, ce, compute, blocked, step_reports
 
 
 def analyze_trace(trace: RankTrace, *, rank: int | None = None) -> RankReport:
     """Exposed/hidden communication of one rank (see the module docstring for the rules)."""
-    on_gpu = trace.stream != -1
-    gpu_comm = on_gpu & _per_name(trace, "gpu_role", {"gpu_comm"})
-    gpu_compute = on_gpu & _per_name(trace, "gpu_role", {"gpu_compute"}) & ~_cat_in(trace, _NOT_COMPUTE_CATS)
-    mode = "gpu" if (gpu_comm.any() or gpu_compute.any()) else "cpu"
+    gpu_comm = trace.rows_of(gpu_roles={"gpu_comm"})
+    gpu_compute = trace.rows_of(gpu_roles={"gpu_compute"})
+    not_compute = _cat_flags(trace, _NOT_COMPUTE_CATS)
+    if gpu_compute and any(not_compute):
+        cat = trace.cat_id
+        gpu_compute = [r for r in gpu_compute if not not_compute[cat[r]]]
+    mode = "gpu" if gpu_comm or gpu_compute else "cpu"
+    role_rows: dict[frozenset[str], list[int]] = {}
 
-    def role(roles: Iterable[str]) -> np.ndarray:
-        return ~on_gpu & _per_name(trace, "cpu_role", roles)
+    def role(roles: Iterable[str]) -> list[int]:
+        """CPU rows whose name has one of the ``cpu_role``s (computed once per set of roles)."""
+        key = frozenset(roles)
+        if key not in role_rows:
+            role_rows[key] = trace.rows_of(cpu_roles=key)
+        return role_rows[key]
 
-    is_step = np.array([bool(_STEP.match(n)) for n in trace.names], dtype=bool)[trace.name_id]
-    step_rows = np.flatnonzero(is_step & ~on_gpu)
-    thread = _training_thread(trace, ~on_gpu, step_rows)
+    step_rows = trace.rows_of(steps=True)
+    thread = _training_thread(trace, step_rows)
     steps = _steps(trace, thread, step_rows)
+    launches = _launches(trace)
     blocked: iv.Intervals | None = None  # GPU mode: exposed is comm outside compute
     if mode == "gpu":
-        rows, kinds, cs, ce, compute, step_reports = _gpu_analysis(trace, steps, on_gpu, gpu_comm, gpu_compute, role)
+        rows, kinds, cs, ce, compute, step_reports = _gpu_analysis(trace, steps, gpu_comm, gpu_compute, role,
+                                                                   launches)
     else:
         rows, kinds, cs, ce, compute, blocked, step_reports = _cpu_analysis(trace, steps, thread, role)
     keep = None if blocked is None else iv.union(compute, blocked)
     groups = _process_groups(trace)
     pgs, tiers = _labels(trace, rows, groups)
     total = _totals(*_split(cs, ce, compute, keep))
-    span = float(trace.end_us.max() - trace.start_us.min()) if trace.num_events else 0.0
+    span = max(trace.end_us) if trace.num_events else 0.0  # minus min(start_us), which is 0.0: the origin
     return RankReport(
         rank=rank if rank is not None else (trace.rank if trace.rank is not None else 0),
         path=trace.path,
@@ -441,5 +525,5 @@ def analyze_trace(trace: RankTrace, *, rank: int | None = None) -> RankReport:
         steps=tuple(step_reports),
         process_groups=groups,
         collectives=rank_collectives(trace, rows, kinds, cs, ce, compute, pgs=pgs, groups=groups, steps=steps,
-                                     anchor_us=_launch_us(trace, rows)[0], blocked=blocked),  # for crossrank
+                                     anchor_us=_launch_us(trace, rows, launches)[0], blocked=blocked),  # for crossrank
     )

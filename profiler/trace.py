@@ -1,4 +1,4 @@
-"""One rank's trace as a few numpy columns: what the overlap analysis needs, and nothing more.
+"""One rank's trace as a few typed columns (:class:`array.array`): what the overlap analysis needs, and nothing more.
 
 :func:`load_trace` streams a Chrome-trace file (``.json`` or ``.json.gz``) batch by batch
 and keeps, for every complete event (``ph == "X"``), its start and end (microseconds,
@@ -20,21 +20,24 @@ from __future__ import annotations
 
 import os
 import re
+import struct
+import sys
 from array import array
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
+from itertools import accumulate, compress, repeat
+from operator import add, itemgetter, sub
 from typing import Any
 
-import numpy as np
-
-from cpdpkit.profiler._events import EventBatch, decode_batch
+from cpdpkit.profiler._events import EventBatch, decode_batch, packed
 from cpdpkit.profiler._reader import (
     DEFAULT_CHUNK_BYTES,
     StreamingNotPossible,
     read_events,
     read_events_whole,
 )
-from cpdpkit.profiler.classify import NameClass, canonical_kind, classify_name
+from cpdpkit.profiler.classify import STEP_NAME, NameClass, canonical_kind, classify_name
 from cpdpkit.profiler.errors import TraceFileError
 
 __all__ = ["RankTrace", "load_trace", "rank_from_file_name", "rank_in_meta", "world_size_in_meta"]
@@ -46,7 +49,12 @@ _NUMBER = (int, float)
 class RankTrace:
     """Columns of one rank's complete events plus the trace metadata.
 
-    ``start_us``/``end_us`` are relative to ``origin_us`` (the earliest event start).
+    The per-event columns are :class:`array.array` (row ``i`` is the ``i``-th complete event of
+    the file): ``start_us``/``end_us`` (``"d"``, microseconds relative to ``origin_us``, the
+    earliest event start), ``name_id`` (``"i"``, index into ``names`` and ``name_classes``),
+    ``cat_id`` (``"h"``, into ``cats``), ``thread_id`` (``"i"``, into ``threads``: ``(pid, tid)``),
+    ``stream`` (``"i"``, the GPU stream, -1 on the CPU) and ``correlation`` (``"q"``, the CUDA
+    correlation id, -1 when none).
     ``comm_kind`` holds a canonical kind from the event's ``Collective name`` argument
     (``""`` when absent) and ``pg_name`` its ``Process Group Name`` (``comm_seq`` its ``Seq``;
     ``comm_bytes`` its input and output bytes, ``In msg nelems``/``Out msg nelems`` × the size of its
@@ -59,13 +67,13 @@ class RankTrace:
     rank: int | None
     meta: dict[str, Any]
     origin_us: float
-    start_us: np.ndarray
-    end_us: np.ndarray
-    name_id: np.ndarray
-    cat_id: np.ndarray
-    thread_id: np.ndarray
-    stream: np.ndarray
-    correlation: np.ndarray
+    start_us: array
+    end_us: array
+    name_id: array
+    cat_id: array
+    thread_id: array
+    stream: array
+    correlation: array
     names: list[str]
     name_classes: list[NameClass]
     cats: list[str]
@@ -79,7 +87,95 @@ class RankTrace:
 
     @property
     def num_events(self) -> int:
-        return int(self.start_us.shape[0])
+        return len(self.start_us)
+
+    def rows_of(self, *, gpu_roles: Collection[str] = (), cpu_roles: Collection[str] = (),
+                steps: bool = False) -> list[int]:
+        """Rows, in row order, of the GPU events whose name's ``gpu_role`` is one of ``gpu_roles``
+        and of the CPU events whose name's ``cpu_role`` is one of ``cpu_roles`` or, with
+        ``steps``, that are ``ProfilerStep#N`` markers (names: :mod:`cpdpkit.profiler.classify`)."""
+        codes, kinds = self._row_codes
+        table = bytearray(256)
+        for k, (gpu_role, cpu_role, is_step) in enumerate(kinds):
+            table[2 * k + 1] = gpu_role in gpu_roles
+            table[2 * k] = cpu_role in cpu_roles or (steps and is_step)
+        return _positions(codes.translate(table)) if any(table) else []
+
+    def launch_rows(self) -> list[int]:
+        """Rows, in row order, of the CPU events with a correlation id (``>= 0``): the launches
+        of the GPU work that carries the same id."""
+        has_id = _bytes_where(self.correlation, lambda top: top < 0x80)  # the sign byte says >= 0
+        return _positions(_both(has_id, self._row_codes[0].translate(_CPU_BIT)))
+
+    @cached_property
+    def _row_codes(self) -> tuple[bytes, list[tuple[str, str, bool]]]:
+        """Per row one byte, ``2 * k + (on a GPU stream)``, where ``k`` indexes the returned list of
+        the distinct ``(gpu_role, cpu_role, is ProfilerStep)`` of the names (at most 4 × 5 × 2):
+        :meth:`rows_of` then selects rows with one ``bytes.translate``."""
+        kinds: dict[tuple[str, str, bool], int] = {}
+        of_name = [2 * kinds.setdefault((c.gpu_role, c.cpu_role, bool(STEP_NAME.match(n))), len(kinds))
+                   for n, c in zip(self.names, self.name_classes)]
+        assert len(kinds) <= 128, kinds
+        on_gpu = _bytes_where(self.stream, None).translate(_NOT_ALL_ONES)  # stream != -1
+        return _either(_lookup(self.name_id, of_name), on_gpu), list(kinds)
+
+
+# byte tables: 1 for each odd code (GPU rows), 1 for each even one (CPU rows), 1 for all but 0xff
+_CPU_BIT = bytes(1 - k % 2 for k in range(256))
+_NOT_ALL_ONES = bytes([1] * 255 + [0])
+
+
+def _bytes_where(column: array, top: Callable[[int], bool] | None) -> bytes:
+    """Per element of an integer ``column`` one byte: with ``top``, 1 where ``top(its most
+    significant byte)``; without, the AND of all its bytes (0xff only for -1). All in C: strided
+    slices of the raw bytes, combined as big integers."""
+    raw, width = column.tobytes(), column.itemsize
+    if top is not None:
+        sign = raw[width - 1 :: width] if sys.byteorder == "little" else raw[::width]
+        return sign.translate(bytes(int(top(k)) for k in range(256)))
+    acc = int.from_bytes(raw[::width], "little")
+    for k in range(1, width):
+        acc &= int.from_bytes(raw[k::width], "little")
+    return acc.to_bytes(len(column), "little")
+
+
+def _lookup(ids: array, table: list[int]) -> bytes:
+    """``bytes(table[i] for i in ids)`` (``table`` of bytes values): with up to 2,048 distinct ids,
+    by ``bytes.translate`` of the ids' low bytes, one 256-id page at a time, each page's rows
+    picked by their second byte (ids are unsigned and below 65,536 there)."""
+    if len(table) > 8 * 256 or ids.itemsize < 2:
+        return bytes(itemgetter(*ids)(table)) if len(ids) > 1 else bytes(table[i] for i in ids)
+    raw, width = ids.tobytes(), ids.itemsize
+    little = sys.byteorder == "little"
+    low = raw[::width] if little else raw[width - 1 :: width]
+    if len(table) <= 256:
+        return low.translate(bytes(table).ljust(256, b"\0"))
+    page = raw[1::width] if little else raw[width - 2 :: width]
+    out = 0
+    for p in range((len(table) + 255) // 256):
+        codes = low.translate(bytes(table[256 * p : 256 * p + 256]).ljust(256, b"\0"))
+        mine = page.translate(bytes(255 * (k == p) for k in range(256)))  # 0xff on the page's rows
+        out |= int.from_bytes(codes, "little") & int.from_bytes(mine, "little")
+    return out.to_bytes(len(ids), "little")
+
+
+def _both(a: bytes, b: bytes) -> bytes:
+    """Bytewise AND of two equally long masks."""
+    return (int.from_bytes(a, "little") & int.from_bytes(b, "little")).to_bytes(len(a), "little")
+
+
+def _either(a: bytes, b: bytes) -> bytes:
+    """Bytewise OR of two equally long masks."""
+    return (int.from_bytes(a, "little") | int.from_bytes(b, "little")).to_bytes(len(a), "little")
+
+
+def _positions(mask: bytes) -> list[int]:
+    """Indexes of the 1 bytes of ``mask`` (a mask of 0 and 1 bytes)."""
+    if mask.count(1) * 4 > len(mask):
+        return list(compress(range(len(mask)), mask))
+    gaps = mask.split(b"\x01")  # the k-th 1 follows k gaps and k earlier 1s
+    gaps.pop()
+    return list(map(sub, accumulate(map(add, map(len, gaps), repeat(1))), repeat(1)))
 
 
 class _Columns:
@@ -137,27 +233,30 @@ class _Columns:
         for pid, tid, label in b.labels:
             self.thread_labels[(pid, tid)] = label
         row0 = len(self.ts)
-        nids = self._ids(self.name_ids, b.names, self._new_name)
+        nids = self._intern(self.name_id, self.name_ids, lambda: b.names, self._new_name)
         if self.comm_nids and not self.comm_nids.isdisjoint(nids):
             self._comm_rows(row0, b, nids)
-        self.name_id.extend(nids)
-        self.cat_id.extend(self._ids(self.cat_ids, b.cats, self._new_cat, "h"))
-        self.thread_id.extend(self._ids(self.thread_ids, list(zip(b.pids, b.tids)), self._new_key))
+        self._intern(self.cat_id, self.cat_ids, lambda: b.cats, self._new_cat)
+        self._intern(self.thread_id, self.thread_ids, lambda: zip(b.pids, b.tids), self._new_key)
         self.ts.extend(b.ts)
         self.dur.extend(b.dur)
         self.stream.extend(b.stream)
         self.corr.extend(b.corr)
 
     @staticmethod
-    def _ids(ids: dict, values: list, new: Callable[[Any], None], code: str = "i") -> array:
-        """``values`` interned through ``ids``; ``new(value)`` interns the unseen ones in order."""
-        try:
-            return array(code, map(ids.get, values))
-        except TypeError:  # some value not seen before
-            for value in dict.fromkeys(values):
+    def _intern(column: array, ids: dict, values: Callable[[], Iterable[Any]], new: Callable[[Any], None]) -> list[int]:
+        """Append the ids of ``values()`` (through ``ids``) to ``column`` and return them;
+        ``new(value)`` interns the unseen values in order of appearance."""
+        got = list(map(ids.get, values()))
+        try:  # an unseen value is a None: an error, and the column is left as it was
+            _extend(column, got)
+        except (TypeError, struct.error):
+            for value in dict.fromkeys(values()):
                 if value not in ids:
                     new(value)
-            return array(code, map(ids.__getitem__, values))
+            got = list(map(ids.__getitem__, values()))
+            _extend(column, got)
+        return got
 
     def _new_name(self, name: str) -> None:
         nid = self.name_ids[name] = len(self.names)
@@ -174,7 +273,7 @@ class _Columns:
         self.thread_ids[key] = len(self.threads)
         self.threads.append(key)
 
-    def _comm_rows(self, row0: int, b: EventBatch, nids: array) -> None:
+    def _comm_rows(self, row0: int, b: EventBatch, nids: list[int]) -> None:
         comm_nids = self.comm_nids
         for i, nid in enumerate(nids):
             if nid in comm_nids:
@@ -269,10 +368,8 @@ class _Columns:
             self.pg_name[row] = str(pg)
 
     def finish(self, meta: dict[str, Any], rank: int | None) -> RankTrace:
-        ts = np.frombuffer(self.ts, dtype=np.float64)
-        dur = np.frombuffer(self.dur, dtype=np.float64)
-        origin = float(ts.min()) if ts.size else 0.0
-        start = ts - origin
+        origin = min(self.ts) if self.ts else 0.0
+        start, end = _relative(self.ts, self.dur, origin)
         thread_names = {
             i: self.thread_labels[key] for i, key in enumerate(self.threads) if key in self.thread_labels
         }
@@ -282,12 +379,12 @@ class _Columns:
             meta=meta,
             origin_us=origin,
             start_us=start,
-            end_us=start + dur,
-            name_id=np.frombuffer(self.name_id, dtype=np.int32).copy(),
-            cat_id=np.frombuffer(self.cat_id, dtype=np.int16).copy(),
-            thread_id=np.frombuffer(self.thread_id, dtype=np.int32).copy(),
-            stream=np.frombuffer(self.stream, dtype=np.int32).copy(),
-            correlation=np.frombuffer(self.corr, dtype=np.int64).copy(),
+            end_us=end,
+            name_id=self.name_id,
+            cat_id=self.cat_id,
+            thread_id=self.thread_id,
+            stream=self.stream,
+            correlation=self.corr,
             names=self.names,
             name_classes=self.classes,
             cats=self.cats,
@@ -298,6 +395,29 @@ class _Columns:
             comm_seq=self.comm_seq,
             **_comm_sizes(self.comm_sizes, world_size_in_meta(meta)),
         )
+
+
+def _relative(ts: array, dur: array, origin: float) -> tuple[array, array]:
+    """Per event ``start = ts - origin`` and ``end = start + dur``; a block of events at a time, so
+    few Python floats exist at once."""
+    start, end = array("d"), array("d")
+    for i in range(0, len(ts), _BLOCK):
+        s = [t - origin for t in ts[i : i + _BLOCK]]
+        start += packed("d", s)
+        end += packed("d", list(map(add, s, dur[i : i + _BLOCK])))
+    return start, end
+
+
+_BLOCK = 1 << 16
+
+
+def _extend(column: array, ids: list[int]) -> None:
+    """Append ``ids`` to an id column: packed by :mod:`struct`, except the 16-bit category ids
+    (``array`` raises ``OverflowError`` past 32,767 categories)."""
+    if column.typecode == "h":
+        column.fromlist(ids)
+    else:
+        column.frombytes(struct.pack(f"{len(ids)}{column.typecode}", *ids))
 
 
 # the first that matches names the rank: ``rank3``, ``rank-3``, ``x_rank_3_y``; else ``worker3``

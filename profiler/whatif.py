@@ -70,17 +70,17 @@ from compute, and waiting ranks give them back), which bounds the accuracy there
 from __future__ import annotations
 
 import math
-import re
+from bisect import bisect_right
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import numpy as np
+from itertools import repeat
+from operator import itemgetter
 
 from cpdpkit.errors import TopologyError
 from cpdpkit.network import COLLECTIVE_OPS
 from cpdpkit.profiler import intervals as iv
-from cpdpkit.profiler.classify import parse_emu_label
+from cpdpkit.profiler.classify import STEP_NAME, parse_emu_label
 from cpdpkit.profiler.report import RankReport, WhatIf
 from cpdpkit.profiler.trace import RankTrace
 
@@ -89,27 +89,26 @@ __all__ = ["RankTimeline", "rank_timeline", "replay", "predict_run", "WAIT_SLACK
 # a collective that completes this long after its gap ended still ended that wait (as
 # overlap.WAIT_SLACK_US: a worker's event closes just after it wakes the waiter)
 WAIT_SLACK_US = 100.0
-_STEP = re.compile(r"^ProfilerStep#(\d+)$")
 
 
 @dataclass(frozen=True, eq=False)
 class RankTimeline:
     """One rank's measured timeline as the replay needs it (no topology yet).
 
-    ``steps``: ``(duration_us, exposed_us, partial)`` per step; ``gap_*``: the gaps, sorted, with
-    the index of their step; collectives (sorted by launch): ``launch_us``, ``done_us`` (``M``),
-    ``real_end_us`` (``R``, NaN: unknown), ``kind``, ``num_bytes`` (-1: unknown) and ``ranks``
-    (``None``: unknown).
+    ``steps``: ``(duration_us, exposed_us, partial)`` per step; ``gap_*``: the gaps, sorted by
+    end, with the index of their step; collectives (sorted by launch): ``launch_us``, ``done_us``
+    (``M``), ``real_end_us`` (``R``, NaN: unknown), ``kind``, ``num_bytes`` (-1: unknown) and
+    ``ranks`` (``None``: unknown). Each field holds one entry per gap or per collective.
     """
 
     rank: int
     steps: tuple[tuple[float, float, bool], ...]
-    gap_start_us: np.ndarray
-    gap_end_us: np.ndarray
-    gap_step: np.ndarray
-    launch_us: np.ndarray
-    done_us: np.ndarray
-    real_end_us: np.ndarray
+    gap_start_us: tuple[float, ...]
+    gap_end_us: tuple[float, ...]
+    gap_step: tuple[int, ...]
+    launch_us: tuple[float, ...]
+    done_us: tuple[float, ...]
+    real_end_us: tuple[float, ...]
     kind: tuple[str, ...]
     num_bytes: tuple[int, ...]
     ranks: tuple[tuple[int, ...] | None, ...]
@@ -122,18 +121,17 @@ _Windows = tuple[list[tuple[float, float]], list[tuple[float, float, bool]]]
 
 def _step_windows(trace: RankTrace, report: RankReport) -> _Windows:
     """Windows and measured ``(duration, exposed, partial)`` of the report's steps."""
-    on_cpu = trace.stream == -1
-    is_step = np.array([bool(_STEP.match(n)) for n in trace.names], dtype=bool)[trace.name_id] & on_cpu
-    rows = np.flatnonzero(is_step)
-    if rows.size:
-        thread = Counter(trace.thread_id[rows].tolist()).most_common(1)[0][0]
-        rows = rows[trace.thread_id[rows] == thread]
-    by_num = {int(_STEP.match(trace.names[trace.name_id[r]]).group(1)): r for r in rows.tolist()}
+    rows = trace.rows_of(steps=True)
+    tid = trace.thread_id
+    if rows:
+        thread = Counter(tid[r] for r in rows).most_common(1)[0][0]
+        rows = [r for r in rows if tid[r] == thread]
+    by_num = {int(STEP_NAME.match(trace.names[trace.name_id[r]]).group(1)): r for r in rows}  # type: ignore[union-attr]
     windows, measured = [], []
     for s in report.steps:
         row = by_num.get(s.step)
         if row is not None:
-            windows.append((float(trace.start_us[row]), float(trace.end_us[row])))
+            windows.append((trace.start_us[row], trace.end_us[row]))
             measured.append((s.duration_us, s.exposed_us, s.partial))
     if not report.steps:
         windows.append((0.0, report.span_us))
@@ -141,36 +139,34 @@ def _step_windows(trace: RankTrace, report: RankReport) -> _Windows:
     return windows, measured
 
 
-def _gaps(windows: list[tuple[float, float]], compute: iv.Intervals) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    starts, ends, step = [], [], []
+def _gaps(windows: list[tuple[float, float]],
+          compute: iv.Intervals) -> tuple[tuple[float, ...], tuple[float, ...], tuple[int, ...]]:
+    """Each window minus compute: the gaps' starts, ends and window index, sorted by end."""
+    gaps: list[tuple[float, float, int]] = []
     for k, (lo, hi) in enumerate(windows):
-        window = iv.Intervals(np.array([lo]), np.array([hi]))
-        gaps = iv.subtract(window, compute)
-        starts.append(gaps.starts)
-        ends.append(gaps.ends)
-        step.append(np.full(len(gaps), k, dtype=np.int64))
-    if not starts:
-        return np.empty(0), np.empty(0), np.empty(0, dtype=np.int64)
-    s, e, k = np.concatenate(starts), np.concatenate(ends), np.concatenate(step)
-    order = np.argsort(e, kind="stable")
-    return s[order], e[order], k[order]
+        left = iv.subtract(iv.Intervals([lo], [hi]), compute)
+        gaps += zip(left.starts, left.ends, repeat(k))
+    gaps.sort(key=itemgetter(1))
+    if not gaps:
+        return (), (), ()
+    s, e, k = zip(*gaps)
+    return s, e, k
 
 
-def _rows_of(trace: RankTrace, role: str) -> np.ndarray:
-    wanted = np.array([c.cpu_role == role for c in trace.name_classes], dtype=bool)
-    rows = np.flatnonzero(wanted[trace.name_id] & (trace.stream == -1))
-    return rows[np.argsort(trace.start_us[rows], kind="stable")]
+def _rows_of(trace: RankTrace, role: str) -> list[int]:
+    """CPU rows of the names with ``cpu_role == role``, sorted by start."""
+    return sorted(trace.rows_of(cpu_roles={role}), key=trace.start_us.__getitem__)
 
 
 def _pairs(trace: RankTrace, labels: list, role: str) -> dict[int, int]:
     """Label index -> row of ``role`` (``backend``: the op moving the data; ``callsite``: the
     ``c10d::*`` call that issued it), paired in order per kind when the counts agree."""
     rows = _rows_of(trace, role)
-    row_kind = [trace.name_classes[trace.name_id[r]].cpu_kind or "other" for r in rows.tolist()]
+    row_kind = [trace.name_classes[trace.name_id[r]].cpu_kind or "other" for r in rows]
     pairs: dict[int, int] = {}
     for kind in {lab.kind for lab in labels}:
         mine = [i for i, lab in enumerate(labels) if lab.kind == kind]
-        theirs = [int(r) for r, k in zip(rows.tolist(), row_kind) if k == kind]
+        theirs = [r for r, k in zip(rows, row_kind) if k == kind]
         if len(mine) == len(theirs):
             pairs.update(zip(mine, theirs))
     return pairs
@@ -178,19 +174,19 @@ def _pairs(trace: RankTrace, labels: list, role: str) -> dict[int, int]:
 
 def _emu_collectives(trace: RankTrace) -> list[tuple[float, float, float, str, int, tuple[int, ...] | None]]:
     rows = _rows_of(trace, "emu")
-    labels = [parse_emu_label(trace.names[trace.name_id[r]]) for r in rows.tolist()]
+    labels = [parse_emu_label(trace.names[trace.name_id[r]]) for r in rows]
     keep = [i for i, lab in enumerate(labels) if lab is not None]
-    rows, labels = rows[keep], [labels[i] for i in keep]
+    rows, labels = [rows[i] for i in keep], [labels[i] for i in keep]  # type: ignore[misc]
     ops, calls = _pairs(trace, labels, "backend"), _pairs(trace, labels, "callsite")
     out = []
-    for i, (row, lab) in enumerate(zip(rows.tolist(), labels)):
-        start, end = float(trace.start_us[row]), float(trace.end_us[row])
+    for i, (row, lab) in enumerate(zip(rows, labels)):
+        start, end = trace.start_us[row], trace.end_us[row]
         modeled = lab.modeled_us
         launch = min(start, end - modeled) if modeled is not None else start
         for pairs in (ops, calls):
             if i in pairs:
-                launch = min(launch, float(trace.start_us[pairs[i]]))
-        real = float(trace.end_us[ops[i]]) if i in ops else math.nan
+                launch = min(launch, trace.start_us[pairs[i]])
+        real = trace.end_us[ops[i]] if i in ops else math.nan
         # the waiter completes the modeled time itself; the label may close late (a busy helper thread)
         link_end = launch + modeled if modeled is not None else end
         done = max(link_end, real) if not math.isnan(real) else link_end
@@ -201,16 +197,17 @@ def _emu_collectives(trace: RankTrace) -> list[tuple[float, float, float, str, i
 
 def _plain_collectives(trace: RankTrace) -> list[tuple[float, float, float, str, int, tuple[int, ...] | None]]:
     """Backend ops (CPU) or NCCL kernels (GPU), with bytes and ranks when the trace has them."""
-    gpu = np.array([c.gpu_role == "gpu_comm" for c in trace.name_classes], dtype=bool)[trace.name_id]
-    gpu &= trace.stream != -1
-    rows = np.flatnonzero(gpu) if gpu.any() else _rows_of(trace, "backend")
+    rows = trace.rows_of(gpu_roles={"gpu_comm"})
+    gpu = bool(rows)
+    if not gpu:
+        rows = _rows_of(trace, "backend")
     out = []
-    for row in rows.tolist():
+    for row in rows:
         cls = trace.name_classes[trace.name_id[row]]
-        kind = trace.comm_kind.get(row) or (cls.kind if gpu.any() else cls.cpu_kind) or "other"
+        kind = trace.comm_kind.get(row) or (cls.kind if gpu else cls.cpu_kind) or "other"
         sizes = trace.comm_bytes.get(row)  # the model's n: all-gather's output, else the input
         nbytes = -1 if sizes is None else sizes[1] if kind == "all_gather" else sizes[0]
-        out.append((float(trace.start_us[row]), float(trace.end_us[row]), math.nan, kind, nbytes,
+        out.append((trace.start_us[row], trace.end_us[row], math.nan, kind, nbytes,
                     trace.comm_ranks.get(row)))
     return out
 
@@ -238,9 +235,9 @@ def rank_timeline(trace: RankTrace, report: RankReport) -> RankTimeline:
         gap_start_us=g0,
         gap_end_us=g1,
         gap_step=gstep,
-        launch_us=np.array([c[0] for c in colls], dtype=np.float64),
-        done_us=np.array([c[1] for c in colls], dtype=np.float64),
-        real_end_us=np.array([c[2] for c in colls], dtype=np.float64),
+        launch_us=tuple(c[0] for c in colls),
+        done_us=tuple(c[1] for c in colls),
+        real_end_us=tuple(c[2] for c in colls),
         kind=tuple(c[3] for c in colls),
         num_bytes=tuple(c[4] for c in colls),
         ranks=tuple(tuple(c[5]) if c[5] else None for c in colls),
@@ -248,9 +245,9 @@ def rank_timeline(trace: RankTrace, report: RankReport) -> RankTimeline:
     )
 
 
-def _durations_us(tl: RankTimeline, topology, world_size: int) -> np.ndarray:  # type: ignore[no-untyped-def]
+def _durations_us(tl: RankTimeline, topology, world_size: int) -> list[float]:  # type: ignore[no-untyped-def]
     """Modeled duration of each collective in µs; NaN where it cannot be modeled."""
-    out = np.full(tl.launch_us.size, math.nan)
+    out = [math.nan] * len(tl.launch_us)
     for i, (kind, nbytes, ranks) in enumerate(zip(tl.kind, tl.num_bytes, tl.ranks)):
         if kind not in COLLECTIVE_OPS or nbytes < 0 or not ranks or max(ranks) >= world_size:
             continue
@@ -261,15 +258,18 @@ def _durations_us(tl: RankTimeline, topology, world_size: int) -> np.ndarray:  #
     return out
 
 
-def _wait_points(tl: RankTimeline) -> tuple[np.ndarray, np.ndarray]:
+def _wait_points(tl: RankTimeline) -> tuple[list[int], list[bool]]:
     """Each collective's gap (-1: none) and whether it was waited there."""
     g0, g1 = tl.gap_start_us, tl.gap_end_us
-    threshold = np.maximum(tl.done_us - WAIT_SLACK_US, tl.launch_us)
-    gap = np.searchsorted(g1, threshold, side="right")
-    gap = np.where(gap < g1.size, gap, -1)
-    if not g0.size:
-        return gap, np.zeros(gap.size, dtype=bool)
-    return gap, (gap >= 0) & (tl.done_us >= g0[np.clip(gap, 0, None)])
+    gaps: list[int] = []
+    waited: list[bool] = []
+    for launch, done in zip(tl.launch_us, tl.done_us):
+        threshold = done - WAIT_SLACK_US
+        g = bisect_right(g1, threshold if threshold >= launch else launch)
+        g = g if g < len(g1) else -1
+        gaps.append(g)
+        waited.append(g >= 0 and done >= g0[g])
+    return gaps, waited
 
 
 def _matches(timelines: Sequence[RankTimeline]) -> dict[tuple[int, int], list[tuple[int, int]]]:
@@ -295,26 +295,26 @@ def _matches(timelines: Sequence[RankTimeline]) -> dict[tuple[int, int], list[tu
 class _Replay:
     """The joint replay of a run's ranks (module docstring); ``change[t]`` per gap of rank ``t``."""
 
-    def __init__(self, timelines: Sequence[RankTimeline], durations: Sequence[np.ndarray]) -> None:
+    def __init__(self, timelines: Sequence[RankTimeline], durations: Sequence[Sequence[float]]) -> None:
         self.tl, self.dur = timelines, durations
         self.peers = _matches(timelines)
         self.delta = [0.0] * len(timelines)
-        self.launch_new = [np.full(tl.launch_us.size, math.nan) for tl in timelines]
-        self.link_end = [np.full(tl.launch_us.size, math.nan) for tl in timelines]
+        self.launch_new = [[math.nan] * len(tl.launch_us) for tl in timelines]
+        self.link_end = [[math.nan] * len(tl.launch_us) for tl in timelines]
         self.free: list[dict] = [{} for _ in timelines]
-        self.change = [np.zeros(tl.gap_end_us.size) for tl in timelines]
+        self.change = [[0.0] * len(tl.gap_end_us) for tl in timelines]
 
-    def run(self) -> list[np.ndarray]:
+    def run(self) -> list[list[float]]:
         events, plans = [], []
         for t, tl in enumerate(self.tl):
             gap, waited = _wait_points(tl)
             due: dict[int, list[int]] = {}
-            for c, g in enumerate(gap.tolist()):
+            for c, g in enumerate(gap):
                 if g >= 0:
                     due.setdefault(g, []).append(c)
             plans.append((due, waited))
-            events += [(tl.clock_us + x, 1, t, c) for c, x in enumerate(tl.launch_us.tolist())]
-            events += [(tl.clock_us + x, 0, t, g) for g, x in enumerate(tl.gap_end_us.tolist())]
+            events += [(tl.clock_us + x, 1, t, c) for c, x in enumerate(tl.launch_us)]
+            events += [(tl.clock_us + x, 0, t, g) for g, x in enumerate(tl.gap_end_us)]
         for _, is_launch, t, i in sorted(events):
             if is_launch:
                 self._launch(t, i)
@@ -354,7 +354,7 @@ class _Replay:
             return max(done, real + (last[0] if last is not None else own_shift))
         return max(done, last[1] + d) if last is not None else done
 
-    def _gap_end(self, t: int, g: int, due: dict[int, list[int]], waited: np.ndarray) -> None:
+    def _gap_end(self, t: int, g: int, due: dict[int, list[int]], waited: list[bool]) -> None:
         tl = self.tl[t]
         g0, g1 = tl.gap_start_us[g], tl.gap_end_us[g]
         x0 = g0 + self.delta[t]
@@ -367,18 +367,20 @@ class _Replay:
         self.delta[t] = end - g1
 
 
-def replay(timelines: Sequence[RankTimeline], durations_us: Sequence[np.ndarray]) -> list[np.ndarray]:
+def replay(timelines: Sequence[RankTimeline], durations_us: Sequence[Sequence[float]]) -> list[list[float]]:
     """Predicted minus measured length of each gap of each rank (the module docstring's rule);
     ``durations_us``: per rank, each collective's new duration, NaN to keep the measured one."""
     return _Replay(timelines, durations_us).run()
 
 
-def _rank_prediction(tl: RankTimeline, change: np.ndarray) -> tuple[float, float]:
+def _rank_prediction(tl: RankTimeline, change: Sequence[float]) -> tuple[float, float]:
     """Mean predicted (step time, exposed) over the rank's complete steps."""
-    per_step = np.bincount(tl.gap_step, weights=change, minlength=len(tl.steps)) if tl.steps else np.empty(0)
-    full = [(d + c, max(0.0, e + c)) for (d, e, partial), c in zip(tl.steps, per_step.tolist()) if not partial]
+    per_step = [0.0] * len(tl.steps)
+    for k, c in zip(tl.gap_step, change):  # summed in gap order
+        per_step[k] += c
+    full = [(d + c, max(0.0, e + c)) for (d, e, partial), c in zip(tl.steps, per_step) if not partial]
     if not full:
-        full = [(d + c, max(0.0, e + c)) for (d, e, _), c in zip(tl.steps, per_step.tolist())]
+        full = [(d + c, max(0.0, e + c)) for (d, e, _), c in zip(tl.steps, per_step)]
     if not full:
         return 0.0, 0.0
     return sum(f[0] for f in full) / len(full), sum(f[1] for f in full) / len(full)
@@ -388,7 +390,7 @@ def predict_run(timelines: Sequence[RankTimeline], topology, *, name: str, world
     """Replay every rank's timeline on ``topology`` (placed for ``world_size``; ``name`` is what
     the user passed) and average the predicted per-step times over ranks."""
     durations = [_durations_us(tl, topology, world_size) for tl in timelines]
-    unmodeled = sum(int(np.count_nonzero(np.isnan(d))) for d in durations)
+    unmodeled = sum(math.isnan(x) for d in durations for x in d)
     steps, exposed = [], []
     for tl, change in zip(timelines, replay(timelines, durations)):
         s, e = _rank_prediction(tl, change)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from array import array
 from pathlib import Path
 
-import numpy as np
 import orjson
 import pytest
 
@@ -41,7 +41,7 @@ def _load_both(path: Path, monkeypatch: pytest.MonkeyPatch, **kw):  # type: igno
 def _assert_same(a, b) -> None:  # type: ignore[no-untyped-def]
     for col in COLUMNS:
         x, y = getattr(a, col), getattr(b, col)
-        assert x.dtype == y.dtype and np.array_equal(x, y), col
+        assert type(x) is array and x.typecode == y.typecode and x == y, col
     for name in FIELDS:
         assert getattr(a, name) == getattr(b, name), name
     assert analyze_trace(a).to_dict() == analyze_trace(b).to_dict()
