@@ -105,7 +105,7 @@ def decode_batch(data: bytes) -> EventBatch | list[Any]:
             return orjson.loads(data)
     try:
         events = _DECODER.decode(data)
-    except msgspec.ValidationError:
+    except (msgspec.ValidationError, RecursionError):  # orjson: the checked path, or its own depth error
         return orjson.loads(data)
     except msgspec.DecodeError as exc:
         raise ValueError(str(exc)) from None

@@ -28,7 +28,8 @@ import orjson
 
 from cpdpkit.profiler.errors import TraceFileError
 
-__all__ = ["read_events", "read_events_whole", "StreamingNotPossible", "DEFAULT_CHUNK_BYTES"]
+__all__ = ["read_events", "read_events_whole", "read_range", "events_start", "meta_around", "StreamingNotPossible",
+           "DEFAULT_CHUNK_BYTES"]
 
 DEFAULT_CHUNK_BYTES = 64 << 10  # measured: small chunks are as fast (cache-friendly) and keep memory flat
 _GZIP_MAGIC = b"\x1f\x8b"
@@ -173,13 +174,66 @@ def read_events(
             head += more
         rest = _stream_array(fh, head[m.end() :], path, chunk_bytes, on_batch, parse)
         tail = rest + _read(fh, -1, path)
+    return meta_around(head[: m.end()], tail)
+
+
+def meta_around(head: bytes, tail: bytes) -> dict[str, Any]:
+    """The top-level object from the bytes before the events (ending in ``"traceEvents": [``) and
+    those after the array's ``]``, with an empty ``traceEvents``; :class:`StreamingNotPossible` if
+    they do not make one."""
     try:
-        meta = orjson.loads(head[: m.end()] + b"]" + tail)
+        meta = orjson.loads(head + b"]" + tail)
     except orjson.JSONDecodeError:
         raise StreamingNotPossible from None
     if not isinstance(meta, dict) or meta.get("traceEvents") != []:
         raise StreamingNotPossible
     return meta
+
+
+def events_start(path: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int | None:
+    """Byte offset just after ``"traceEvents": [`` in an uncompressed trace; ``None`` for a gzip
+    file or when it is not within the first few chunks."""
+    with open(path, "rb") as fh:
+        head = fh.read(4 * chunk_bytes)
+    if head[:2] == _GZIP_MAGIC:
+        return None
+    m = _KEY.search(head)
+    return m.end() if m else None
+
+
+class _Window:
+    """Reads bytes ``[start, end)`` of an open file, then ``closing`` (``end=None``: to the end)."""
+
+    def __init__(self, raw: BinaryIO, start: int, end: int | None, closing: bytes) -> None:
+        raw.seek(start)
+        self.raw, self.left, self.closing = raw, end - start if end is not None else None, closing
+
+    def read(self, n: int = -1) -> bytes:
+        if self.left is None:
+            return self.raw.read(n)
+        if n < 0 or n > self.left:
+            n = self.left
+        data = self.raw.read(n) if n else b""
+        self.left -= len(data)
+        if not data:
+            data, self.closing = self.closing, b""
+        return data
+
+
+def read_range(path: str, start: int, end: int, last: bool, on_batch: Batch, *,
+               chunk_bytes: int = DEFAULT_CHUNK_BYTES, parse: Parse = orjson.loads) -> bytes:
+    """Stream the events in bytes ``[start, end)`` of an uncompressed trace, where ``start`` is
+    :func:`events_start` or the ``{`` of an event; every range but the ``last`` must end exactly
+    where the next event begins (before its ``{``), else :class:`StreamingNotPossible`. Returns
+    what follows the array (``last``), else ``b""``."""
+    with open(path, "rb") as raw:
+        fh = _Window(raw, start, None if last else end, b"" if last else b"]")
+        rest = _stream_array(fh, b"", path, chunk_bytes, on_batch, parse)  # type: ignore[arg-type]
+        if last:
+            return rest + _read(fh, -1, path)  # type: ignore[arg-type]
+    if rest.strip() or fh.read():
+        raise StreamingNotPossible
+    return b""
 
 
 def read_events_whole(path: str, on_batch: Batch) -> dict[str, Any]:

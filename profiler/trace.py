@@ -31,11 +31,15 @@ from operator import add, itemgetter, sub
 from typing import Any
 
 from cpdpkit.profiler._events import EventBatch, decode_batch, packed
+from cpdpkit.profiler._parallel import PARALLEL_MIN_BYTES, map_ranges, split_events, worker_count
 from cpdpkit.profiler._reader import (
     DEFAULT_CHUNK_BYTES,
     StreamingNotPossible,
+    events_start,
+    meta_around,
     read_events,
     read_events_whole,
+    read_range,
 )
 from cpdpkit.profiler.classify import STEP_NAME, NameClass, canonical_kind, classify_name
 from cpdpkit.profiler.errors import TraceFileError
@@ -43,6 +47,8 @@ from cpdpkit.profiler.errors import TraceFileError
 __all__ = ["RankTrace", "load_trace", "rank_from_file_name", "rank_in_meta", "world_size_in_meta"]
 
 _NUMBER = (int, float)
+_INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 @dataclass(frozen=True, eq=False)
@@ -219,8 +225,9 @@ class _Columns:
         if event.get("name") == "thread_name":
             args = event.get("args")
             label = args.get("name") if isinstance(args, dict) else None
-            if isinstance(label, str):
-                self.thread_labels[(event.get("pid"), event.get("tid"))] = label
+            pid, tid = event.get("pid"), event.get("tid")
+            if isinstance(label, str) and type(pid) in (int, str) and type(tid) in (int, str):
+                self.thread_labels[(pid, tid)] = label
 
     def add(self, events: EventBatch | list[Any], first_index: int) -> None:
         """Append one batch: columns msgspec already decoded and checked, or plain events."""
@@ -319,6 +326,8 @@ class _Columns:
                 nid = len(self.names)
                 self._new_name(name)
             cat = e.get("cat")
+            if type(cat) is not str:  # a number, list, ...: no category, as when it is missing
+                cat = None
             cid = cat_ids.get(cat)
             if cid is None:
                 cid = len(self.cats)
@@ -329,10 +338,10 @@ class _Columns:
                 if type(args) is not dict:
                     raise self._field_error(first_index + offset, e, "args", "an object")
                 s = args.get("stream")
-                if type(s) is int:
+                if type(s) is int and _INT32_MIN <= s <= _INT32_MAX:  # msgspec's bounds (_events): else unknown
                     stream = s
                 c = args.get("correlation")
-                if type(c) is int:
+                if type(c) is int and _INT64_MIN <= c <= _INT64_MAX:
                     corr = c
                 if classes[nid].reads_comm_args:
                     self._comm_args(len(ts_a), args.get("Collective name"), args.get("Process Group Name"),
@@ -366,6 +375,30 @@ class _Columns:
             self.comm_kind[row] = canonical_kind(coll)
         if isinstance(pg, (str, int)) and pg != "":
             self.pg_name[row] = str(pg)
+
+    def absorb(self, other: _Columns) -> None:
+        """Append the rows another reader decoded from the next part of the same file."""
+        row0 = len(self.ts)
+        for column, own, ids, values, new in (
+            (self.name_id, other.name_id, self.name_ids, other.names, self._new_name),
+            (self.cat_id, other.cat_id, self.cat_ids, list(other.cat_ids), self._new_cat),
+            (self.thread_id, other.thread_id, self.thread_ids, other.threads, self._new_key),
+        ):
+            for value in values:
+                if value not in ids:
+                    new(value)
+            trans = [ids[v] for v in values]
+            if trans == list(range(len(trans))):
+                column += own
+            else:
+                column += array(own.typecode, map(trans.__getitem__, own))
+        for mine, theirs in ((self.ts, other.ts), (self.dur, other.dur), (self.stream, other.stream),
+                             (self.corr, other.corr)):
+            mine += theirs
+        for mine, theirs in ((self.comm_kind, other.comm_kind), (self.pg_name, other.pg_name),
+                             (self.comm_seq, other.comm_seq), (self.comm_sizes, other.comm_sizes)):
+            mine.update({row0 + row: value for row, value in theirs.items()})
+        self.thread_labels.update(other.thread_labels)
 
     def finish(self, meta: dict[str, Any], rank: int | None) -> RankTrace:
         origin = min(self.ts) if self.ts else 0.0
@@ -495,8 +528,12 @@ def _rank_of(meta: dict[str, Any], path: str) -> int | None:
     return rank if rank is not None else rank_from_file_name(path)
 
 
-def load_trace(path: str | os.PathLike[str], *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> RankTrace:
+def load_trace(path: str | os.PathLike[str], *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+               parallel: bool = True) -> RankTrace:
     """Load one rank's trace file (``.json`` or ``.json.gz``) into a :class:`RankTrace`.
+
+    ``parallel``: decode a large uncompressed file (>= 48 MiB) on every core this process may
+    use (forked workers, :mod:`cpdpkit.profiler._parallel`); the result is the same.
 
     Raises :class:`~cpdpkit.profiler.errors.TraceFileError` (one line: path and problem).
     """
@@ -505,11 +542,46 @@ def load_trace(path: str | os.PathLike[str], *, chunk_bytes: int = DEFAULT_CHUNK
         raise TraceFileError(path, "is a folder, expected a trace file")
     if not os.path.exists(path):
         raise TraceFileError(path, "no such file")
-    cols = _Columns(path)
-    try:
-        meta = read_events(path, cols.add, chunk_bytes=chunk_bytes, parse=decode_batch)
-    except StreamingNotPossible:
+    loaded = _load_parallel(path, chunk_bytes) if parallel else None
+    if loaded is not None:
+        cols, meta = loaded
+    else:
         cols = _Columns(path)
-        meta = read_events_whole(path, cols.add)
+        try:
+            meta = read_events(path, cols.add, chunk_bytes=chunk_bytes, parse=decode_batch)
+        except StreamingNotPossible:
+            cols = _Columns(path)
+            meta = read_events_whole(path, cols.add)
     meta.pop("traceEvents", None)
     return cols.finish(meta, _rank_of(meta, path))
+
+
+def _decode_range(path: str, start: int, end: int, last: bool, chunk_bytes: int) -> tuple[_Columns, bytes]:
+    cols = _Columns(path)
+    return cols, read_range(path, start, end, last, cols.add, chunk_bytes=chunk_bytes, parse=decode_batch)
+
+
+def _load_parallel(path: str, chunk_bytes: int) -> tuple[_Columns, dict[str, Any]] | None:
+    """A large uncompressed file decoded in parts on several cores (:mod:`._parallel`); ``None``
+    when it is not worth it or any part failed (the caller reads it on one core, which names
+    a bad event exactly)."""
+    workers = worker_count()
+    if workers < 2 or os.path.getsize(path) < PARALLEL_MIN_BYTES:
+        return None
+    start = events_start(path, chunk_bytes)
+    if start is None:
+        return None
+    ranges = split_events(path, start, workers)
+    parts = map_ranges(lambda *where: _decode_range(*where, chunk_bytes), path, ranges) if len(ranges) > 1 else None
+    if parts is None:
+        return None
+    with open(path, "rb") as fh:
+        head = fh.read(start)
+    try:
+        meta = meta_around(head, parts[-1][1])
+    except StreamingNotPossible:
+        return None
+    cols = parts[0][0]
+    for more, _ in parts[1:]:
+        cols.absorb(more)
+    return cols, meta

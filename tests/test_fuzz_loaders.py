@@ -19,12 +19,6 @@ from _fuzz_targets import TARGETS, outcome, read_case
 pytestmark = pytest.mark.timeout(120)
 
 DATA = Path(__file__).parent / "data" / "fuzz"
-_PENDING = pytest.mark.xfail(strict=True, reason="trace loader fix pending")
-# load_trace's crashes kept in tests/data/fuzz/trace/ (fix pending in profiler/): the fuzzed test tolerates
-# only these until the fix; remove this tuple together with the _PENDING marks
-_PENDING_TRACE_CRASHES = ("TypeError: unhashable type", "OverflowError: signed integer is",
-                          "OverflowError: Python int too large to convert to C long",
-                          "RecursionError: maximum recursion depth exceeded")
 
 
 def _fuzzed(max_examples: int):  # noqa: ANN202 - a decorator
@@ -45,7 +39,7 @@ def _no_crash(target: str, case: dict[str, bytes]) -> str:
 def test_load_trace_fuzzed(case: dict[str, bytes]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         kind, detail = outcome(TARGETS["trace"], case, Path(tmp))
-    assert kind != "crash" or detail.startswith(_PENDING_TRACE_CRASHES), f"load_trace crashed: {detail}"
+    assert kind != "crash", f"load_trace crashed: {detail}"
 
 
 @_fuzzed(200)
@@ -102,9 +96,8 @@ def test_kept_trace_inputs_are_reported_by_analyze(folder: Path) -> None:
     _replay("trace-analyze", folder)
 
 
-@_PENDING
 @pytest.mark.parametrize("folder", _kept("trace"), ids=lambda p: p.name)
-def test_kept_trace_inputs_fail_in_one_line(folder: Path) -> None:
+def test_kept_trace_inputs_load_or_fail_in_one_line(folder: Path) -> None:
     _replay("trace", folder)
 
 
