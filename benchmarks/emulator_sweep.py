@@ -179,26 +179,6 @@ SKEW_BYTES = 1 << 20
 CONTENTION_BYTES = (1 << 20, 4 << 20)
 
 
-def _makespan_s(fn: Callable[[], Any], gloo: Any, late_s: float = 0.0, late_rank: int = -1,
-                group: int = 0, first: bool = False) -> float:
-    """Seconds from the moment the first group could start (its last rank left a barrier) to the
-    end of the last rank's ``fn`` (``late_rank`` sleeps ``late_s`` first). ``group``: the index of
-    this rank's group, ``-1`` when it issues nothing. The ranks share one host's CLOCK_MONOTONIC, so
-    the barrier's own exit skew (ms, with 4 processes on 2 busy cores) is not counted as link time.
-    ``first``: to the end of the *first* rank's ``fn`` instead (what an on-time rank waits for)."""
-    dist.barrier(gloo)
-    left_s = time.monotonic()
-    if dist.get_rank() == late_rank:
-        time.sleep(late_s)
-    fn()
-    mine = torch.tensor([group, left_s, time.monotonic()], dtype=torch.float64)
-    every = [torch.zeros(3, dtype=torch.float64) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine, group=gloo)
-    rows = [(int(g), left, done) for g, left, done in (t.tolist() for t in every) if g >= 0]
-    start_s = min(max(left for g, left, _ in rows if g == k) for k in {g for g, _, _ in rows})
-    return (min if first else max)(done for _, _, done in rows) - start_s
-
-
 def _case_row(case: str, what: str, measured: list[float], modeled_s: float) -> dict[str, Any]:
     med = statistics.median(measured)
     return {"case": case, "what": what, "modeled_ms": round(modeled_s * 1e3, 3), "measured_ms": round(med * 1e3, 3),
@@ -208,6 +188,7 @@ def _case_row(case: str, what: str, measured: list[float], modeled_s: float) -> 
 
 def _fidelity_worker(rank: int, world: int, store: str, repeats: int, out: str) -> None:
     import cpdpkit
+    from cpdpkit.emulator.metering import makespan_s
 
     torch.set_num_threads(1)
     info = cpdpkit.init_distributed(topology="wan", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -218,7 +199,8 @@ def _fidelity_worker(rank: int, world: int, store: str, repeats: int, out: str) 
         dist.all_reduce(x)  # warm-up
         modeled = topo.collective_time_s("all_reduce", SKEW_BYTES, range(world))
         for late_ms in SKEW_LATE_MS:
-            runs = [_makespan_s(lambda: dist.all_reduce(x), gloo, late_ms / 1e3, 1, first=True) for _ in range(repeats)]
+            runs = [makespan_s(lambda: dist.all_reduce(x), gloo, late_s=late_ms / 1e3 if dist.get_rank() == 1 else 0.0,
+                                  first=True) for _ in range(repeats)]
             rows.append(_case_row("skew", f"all_reduce 1 MiB, rank 1 {late_ms} ms late", runs,
                                   late_ms / 1e3 + modeled))
     else:
@@ -234,6 +216,7 @@ def _fidelity_worker(rank: int, world: int, store: str, repeats: int, out: str) 
 
 def _contention_rows(num_bytes: int, rank: int, topo: Any, gloo: Any, mine: Any, repeats: int) -> list[dict]:
     """One group alone, two groups on the same uplinks at once, and the world (hierarchical)."""
+    from cpdpkit.emulator.metering import makespan_s
     from cpdpkit.network import concurrent_time_s
 
     x = torch.ones(num_bytes // 4)
@@ -251,7 +234,7 @@ def _contention_rows(num_bytes: int, rank: int, topo: Any, gloo: Any, mine: Any,
               concurrent_time_s([one, one])),
              (f"world ({world.algorithm})", lambda: dist.all_reduce(x), 0, world.time_s)]
     return [_case_row("contention", f"{what}, all_reduce {mib}",
-                      [_makespan_s(fn, gloo, group=g) for _ in range(repeats)], modeled_s)
+                      [makespan_s(fn, gloo, group=g) for _ in range(repeats)], modeled_s)
             for what, fn, g, modeled_s in calls]
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from cpdpkit.emulator import init_distributed, meter
+from cpdpkit.emulator.metering import makespan_s
 from cpdpkit.errors import CpdpkitError
 from cpdpkit.topology import Tier, Topology
 
@@ -53,29 +54,12 @@ def _train(rank: int, steps: int) -> dict[str, Any]:
     return {"calls": calls, "param_sum": float(param.sum())}
 
 
-def _makespan_s(fn: Any, gloo: Any, group: int = 0, late_s: float = 0.0, first: bool = False) -> float:
-    """Seconds from the moment the first group could start (its last rank left a barrier) to the
-    end of the last rank's ``fn`` (this rank sleeps ``late_s`` first; ``group`` -1: it issues
-    nothing; ``first``: to the first rank's end). One host's CLOCK_MONOTONIC: the barrier's own exit
-    skew is not counted."""
-    dist.barrier(gloo)
-    left_s = time.monotonic()
-    time.sleep(late_s)
-    fn()
-    mine = torch.tensor([group, left_s, time.monotonic()], dtype=torch.float64)
-    every = [torch.zeros(3, dtype=torch.float64) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine, group=gloo)
-    rows = [(int(g), left, done) for g, left, done in (t.tolist() for t in every) if g >= 0]
-    start_s = min(max(left for g, left, _ in rows if g == k) for k in {g for g, _, _ in rows})
-    return (min if first else max)(done for _, _, done in rows) - start_s
-
-
 def _skew(rank: int, gloo: Any) -> dict[str, Any]:
     """Rank 1 arrives 80 ms late at an all-reduce of the world, then 50 ms late at a send to rank 0."""
     x = torch.ones(NUM_BYTES // 4)
     dist.all_reduce(x)  # warm-up
     # the first rank to complete: an on-time rank (before issue 15 it did not wait for the late one)
-    out = {name: _makespan_s(lambda: dist.all_reduce(x), gloo, late_s=late_s if rank == 1 else 0.0, first=True)
+    out = {name: makespan_s(lambda: dist.all_reduce(x), gloo, late_s=late_s if rank == 1 else 0.0, first=True)
            for name, late_s in (("on_time", 0.0), ("late", LATE_S))}
 
     def p2p() -> None:
@@ -84,7 +68,7 @@ def _skew(rank: int, gloo: Any) -> dict[str, Any]:
         elif rank == 0:
             dist.recv(x, 1)
 
-    out["p2p"] = _makespan_s(p2p, gloo, group=0 if rank < 2 else -1, late_s=P2P_LATE_S if rank == 1 else 0.0,
+    out["p2p"] = makespan_s(p2p, gloo, group=0 if rank < 2 else -1, late_s=P2P_LATE_S if rank == 1 else 0.0,
                              first=True)
     return out
 
@@ -100,10 +84,10 @@ def _contend(rank: int, gloo: Any) -> dict[str, Any]:
         if rank % 2 == 0:
             dist.all_reduce(x, group=mine)
 
-    return {"alone": _makespan_s(alone, gloo, group=0 if rank % 2 == 0 else -1),
-            "together": _makespan_s(lambda: dist.all_reduce(x, group=mine), gloo, group=rank % 2),
+    return {"alone": makespan_s(alone, gloo, group=0 if rank % 2 == 0 else -1),
+            "together": makespan_s(lambda: dist.all_reduce(x, group=mine), gloo, group=rank % 2),
             # the world: 2 levels (LAN inside a site, WAN between), priced hierarchically
-            "world": _makespan_s(lambda: dist.all_reduce(x), gloo)}
+            "world": makespan_s(lambda: dist.all_reduce(x), gloo)}
 
 
 def main(job: str, rank: int, world: int, folder: str, timeout_s: float) -> None:

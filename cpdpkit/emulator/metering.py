@@ -13,17 +13,19 @@ from zero, and :attr:`Meter.blocked_s` is the blocked time of the thread that en
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from cpdpkit.emulator._counters import Counts, GroupCounters
 from cpdpkit.emulator.backend import EmulatorSession, session_of
 from cpdpkit.errors import DistributedSetupError
 
-__all__ = ["Meter", "meter"]
+__all__ = ["Meter", "meter", "makespan_s"]
 
 
 class Meter:
@@ -133,3 +135,25 @@ def meter(group: Any = None) -> Meter:
             "cpdpkit.init_distributed(topology=...) (or backend='emu') or pass group= an emulated group"
         )
     return Meter(session)
+
+
+def makespan_s(fn: Callable[[], Any], gloo: Any, *, group: int = 0, late_s: float = 0.0, first: bool = False) -> float:
+    """Seconds from the moment the first group could start (its last rank left a barrier on the
+    plain gloo group ``gloo``) to the end of the last rank's ``fn()``, the same on every rank.
+
+    This rank sleeps ``late_s`` before ``fn`` (a late arrival); ``group`` is the index of this
+    rank's group, ``-1`` when it issues nothing; ``first``: to the end of the *first* rank's
+    ``fn`` instead (what an on-time rank waits for). The ranks must share one host's
+    CLOCK_MONOTONIC; the barrier's own exit skew is then not counted as link time.
+    """
+    dist.barrier(gloo)
+    left_s = time.monotonic()
+    if late_s:
+        time.sleep(late_s)
+    fn()
+    mine = torch.tensor([group, left_s, time.monotonic()], dtype=torch.float64)
+    every = [torch.zeros(3, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine, group=gloo)
+    rows = [(int(g), left, done) for g, left, done in (t.tolist() for t in every) if g >= 0]
+    start_s = min(max(left for g, left, _ in rows if g == k) for k in {g for g, _, _ in rows})
+    return (min if first else max)(done for _, _, done in rows) - start_s
