@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
 from bisect import bisect_right
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -75,6 +74,7 @@ from operator import sub
 from typing import Any
 
 from cpdpkit.profiler import intervals as iv
+from cpdpkit.profiler._stats import median
 from cpdpkit.profiler.report import RankReport, TraceIssue, WaitSplit
 from cpdpkit.profiler.trace import RankTrace
 
@@ -289,7 +289,7 @@ def _implausible(m: _Matches, ranks: Sequence[RankReport]) -> str | None:
             first[k] = a
         if a > last[k]:
             last[k] = a
-    spread = statistics.median([hi - lo for lo, hi in zip(first, last)])
+    spread = median([hi - lo for lo, hi in zip(first, last)])
     if spread <= MAX_CLOCK_OFFSET_US:
         return None
     total = [0.0] * m.count
@@ -301,8 +301,8 @@ def _implausible(m: _Matches, ranks: Sequence[RankReport]) -> str | None:
     devs: dict[int, list[float]] = {}
     for k, p, a in zip(m.match, m.rank_pos, m.arrival_us):
         devs.setdefault(p, []).append(a - mean[k])
-    off = {p: statistics.median(devs[p]) for p in sorted(devs)}
-    typical = statistics.median(off.values())
+    off = {p: median(devs[p]) for p in sorted(devs)}
+    typical = median(off.values())
     ref = min(off, key=lambda p: abs(off[p] - typical))  # the most typical clock (ties: the lowest rank)
     worst = max(off, key=lambda p: abs(off[p] - off[ref]))
     return (f"implausible clock offsets between ranks: matched collectives' arrivals are {spread / 1e6:.1f} s apart "

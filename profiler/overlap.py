@@ -50,7 +50,6 @@ merged on their own, so slices may overlap in time and need not sum to the total
 
 from __future__ import annotations
 
-import statistics
 from bisect import bisect_left, bisect_right
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -59,6 +58,7 @@ from operator import and_, eq, itemgetter
 from typing import Any
 
 from cpdpkit.profiler import intervals as iv
+from cpdpkit.profiler._stats import median
 from cpdpkit.profiler.classify import STEP_NAME, parse_emu_label
 from cpdpkit.profiler.crossrank import rank_collectives
 from cpdpkit.profiler.report import CommTotals, RankReport, StepReport
@@ -236,7 +236,7 @@ def _mark_partial(steps: _Steps) -> list[bool]:
     partial = [False] * len(steps)
     if len(steps) >= 2:
         durations = [e - s for _, s, e in steps]
-        if durations[-1] < PARTIAL_STEP_FRACTION * statistics.median(durations[:-1]):
+        if durations[-1] < PARTIAL_STEP_FRACTION * median(durations[:-1]):
             partial[-1] = True
     return partial
 

@@ -15,11 +15,12 @@ communication. Reports hold data only; rendering lives in the CLI.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
+
+from cpdpkit.profiler._stats import fmean, median
 
 __all__ = [
     "CommTotals",
@@ -191,7 +192,7 @@ class RankReport:
 def _spread(values: list[float]) -> dict[str, float]:
     if not values:
         return {"min": 0.0, "median": 0.0, "max": 0.0}
-    return {"min": min(values), "median": float(statistics.median(values)), "max": max(values)}
+    return {"min": min(values), "median": float(median(values)), "max": max(values)}
 
 
 def _overlap_spread(ranks: tuple[RankReport, ...]) -> dict[str, float | None]:
@@ -284,10 +285,10 @@ def summarize_ranks(ranks: tuple[RankReport, ...], *,
         return RunSummary(0, {**{k: 0.0 for k in _PER_STEP_KEYS}, "skew_us": None, "transfer_us": None},
                           {}, 0.0, None, None)
     per_rank = [_rank_per_step(r) for r in ranks]
-    per_step: dict[str, Any] = {k: statistics.fmean(p[k] for p in per_rank) for k in _PER_STEP_KEYS}
+    per_step: dict[str, Any] = {k: fmean(p[k] for p in per_rank) for k in _PER_STEP_KEYS}
     splits = [_rank_split_per_step(r) for r in ranks]
     for i, key in enumerate(("skew_us", "transfer_us")):
-        per_step[key] = None if None in splits else statistics.fmean(s[i] for s in splits)  # type: ignore[index]
+        per_step[key] = None if None in splits else fmean(s[i] for s in splits)  # type: ignore[index]
     spread = {
         key: _overlap_spread(ranks) if key == "overlap_pct" else _spread([getattr(r, key) for r in ranks])
         for key in ("compute_us", "comm_us", "exposed_us", "hidden_us", "overlap_pct")

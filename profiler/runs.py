@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -26,7 +26,9 @@ from cpdpkit.profiler.errors import TraceFileError
 from cpdpkit.profiler.overlap import analyze_trace
 from cpdpkit.profiler.report import OverlapReport, RankReport, RunReport, TraceIssue, summarize_ranks
 from cpdpkit.profiler.trace import load_trace, world_size_in_meta
-from cpdpkit.profiler.whatif import RankTimeline, predict_run, rank_timeline
+
+if TYPE_CHECKING:  # the what-if (and the network model) load only with what_if=
+    from cpdpkit.profiler.whatif import RankTimeline
 
 __all__ = ["RUN_JSON", "find_trace_files", "read_run_info", "analyze_run", "analyze", "expand_paths"]
 
@@ -102,6 +104,7 @@ def _with_what_if(report: RunReport, timelines: dict[str, RankTimeline], spec: s
     World size: run.json's ``world_size``, else the traces' most common one, else the highest
     rank + 1. A topology that cannot be placed at that size is one issue, and no prediction."""
     from cpdpkit.errors import TopologyError
+    from cpdpkit.profiler.whatif import predict_run
     from cpdpkit.topology import resolve_topology
 
     size = report.run_info.get("world_size")
@@ -140,6 +143,8 @@ def analyze_run(run_path: str, files: Sequence[str], *, name: str | None = None,
             hint = rank_hint(path, trace.meta, rank_map)
             ranks.append(analyze_trace(trace, rank=hint.rank if hint.rank is not None else index))
             if what_if is not None:
+                from cpdpkit.profiler.whatif import rank_timeline
+
                 timelines[ranks[-1].path] = rank_timeline(trace, ranks[-1])
                 world_sizes.extend(w for w in [world_size_in_meta(trace.meta)] if w is not None)
             hints.append(hint)

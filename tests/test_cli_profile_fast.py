@@ -100,13 +100,13 @@ def test_fast_entry_prints_writes_and_exits_like_typer(case, capsys, tmp_path):
                           "when exposed communication per step grows by more than 10 %)\n")
 
 
-def test_the_fast_entry_loads_neither_typer_nor_rich_nor_torch(tmp_path):
+def test_the_fast_entry_loads_neither_typer_nor_rich_nor_torch_nor_numpy(tmp_path):
     run = tmp_path / "ddp"
     for rank in (0, 1):
         write_trace(run / f"rank{rank}.pt.trace.json", cpu_scenario(rank))
     code = ("import sys; from cpdpkit.cli import main\n"
             "try:\n    main(sys.argv[1:])\nexcept SystemExit as exc:\n    code = exc.code\n"
-            "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'typer', 'click', 'rich', 'torch'})\n"
+            "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'typer', 'click', 'rich', 'torch', 'numpy'})\n"
             "print('exit', code, 'heavy', heavy, file=sys.stderr)")
     proc = subprocess.run([sys.executable, "-c", code, "profile", str(run), "--json", str(tmp_path / "p.json")],
                           capture_output=True, text=True, timeout=60)
