@@ -92,9 +92,10 @@ def test_torchrun_args_pass_max_restarts() -> None:
 @pytest.mark.timeout(120)
 def test_restarts_are_counted_when_every_attempt_fails(tmp_path: Path) -> None:
     tiny = str(Path(__file__).parent / "data" / "launch_tiny.py")
-    result = launch(LaunchConfig(nproc_per_node=2, max_restarts=1, log_dir=str(tmp_path / "logs")), tiny,
-                    ["--fail-rank", "1"])
+    # one rank per launch: what is counted is the launcher's attempts, not the ranks (and it halves the start-ups)
+    result = launch(LaunchConfig(nproc_per_node=1, max_restarts=1, log_dir=str(tmp_path / "logs")), tiny,
+                    ["--fail-rank", "0"])
     assert not result.ok and result.restarts == 1
-    assert result.error == "rank 1 failed (exit code 1): ValueError: rank 1 was told to fail"
-    again = launch(LaunchConfig(nproc_per_node=2, log_dir=str(tmp_path / "logs")), tiny, [])  # the same log folder
+    assert result.error == "rank 0 failed (exit code 1): ValueError: rank 0 was told to fail"
+    again = launch(LaunchConfig(nproc_per_node=1, log_dir=str(tmp_path / "logs")), tiny, [])  # the same log folder
     assert again.ok and again.restarts == 0  # an earlier launch's attempt folders are not counted
