@@ -11,7 +11,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["app", "main"]
+__all__ = ["app", "main", "EXIT_USER_ERROR"]
+
+EXIT_USER_ERROR = 2  # bad input (one line on stderr), for every command and both profile entries
 
 
 def __getattr__(name: str) -> Any:

@@ -15,11 +15,11 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
 
+from cpdpkit.cli import EXIT_USER_ERROR
 from cpdpkit.errors import ConfigError, CpdpkitError
 
 __all__ = ["app", "err_console", "out_console", "EXIT_USER_ERROR", "prepare_output"]
 
-EXIT_USER_ERROR = 2
 
 
 def prepare_output(path: str | None, option: str) -> None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from cpdpkit.cli import EXIT_USER_ERROR
 from cpdpkit.cli._table import TextTable
 from cpdpkit.errors import ConfigError
 
@@ -37,7 +38,6 @@ __all__ = ["ProfileArgs", "run_profile", "render_summary_table", "render_step_ta
            "error_line", "EXIT_OK", "EXIT_REGRESSION", "EXIT_USER_ERROR"]
 
 EXIT_OK = 0
-EXIT_USER_ERROR = 2
 EXIT_REGRESSION = 1
 NO_COMMUNICATION = "no communication"
 
