@@ -121,9 +121,29 @@ def _copy_without_py_spy_banner(stream: Any) -> None:
 
 
 def _record(fn: Any) -> Any:
+    """torch elastic's ``@record``, but its error file appears whole: written beside it, then renamed.
+
+    The agent reads a failed rank's error file as soon as it sees the failure; a rank that fails
+    because a peer was killed may still be writing it, and an empty file crashed torch's agent
+    (``JSONDecodeError``) instead of restarting the job (seen once in ``test_launch_restart``).
+    """
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    return record(fn)
+    final = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not final:
+        return record(fn)
+    partial = final + ".partial"
+    os.environ["TORCHELASTIC_ERROR_FILE"] = partial
+    recorded = record(fn)
+
+    def run(*args: Any) -> Any:
+        try:
+            return recorded(*args)
+        finally:
+            if os.path.exists(partial):
+                os.replace(partial, final)
+
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:
