@@ -20,6 +20,9 @@ size divided by the other two counts (the *placement rule*). Presets: ``lan`` an
 ``ranks_per_node`` open (so does ``wan-variable``, the ``wan`` link varying per collective);
 ``cluster`` picks ``ranks_per_node`` from the world size (8, 4 or 2,
 whichever leaves at least two nodes; else one node of up to 8 ranks) and leaves the node count open.
+``multisite`` has three tiers (NVLINK in a node, IB between the nodes of a site, the ``wan`` WAN
+between its two sites): two nodes per site and ``ranks_per_node`` open, or, with ``ranks_per_node``
+given, the number of nodes per site open.
 
 TOML format (what :meth:`Topology.to_toml` writes)::
 
@@ -377,6 +380,11 @@ PRESETS: dict[str, str] = {
         "ranks_per_node defaults to the largest of 8, 4, 2 that leaves >= 2 nodes, else one node "
         "(<= 8 ranks)"
     ),
+    "multisite": (
+        "two sites joined by the wan preset's WAN (16.6 ms RTT, 1 Gbit/s), each site 2 nodes joined by InfiniBand "
+        "HDR (5 us, 25 GB/s) with NVLINK inside a node (3 us, 300 GB/s); world_size/4 ranks per node (world sizes "
+        "divisible by 4), or with --ranks-per-node R, world_size/(2R) nodes per site"
+    ),
 }
 
 
@@ -411,11 +419,28 @@ def preset(name: str, *, world_size: int | None = None, ranks_per_node: int | No
         topo = Topology(name="cluster", tiers=(_NVLINK, _IB), intra_node_tier="NVLINK", inter_node_tier="IB",
                         ranks_per_node=ranks_per_node if ranks_per_node is not None else 8,
                         nodes_per_site=None, num_sites=1, description=PRESETS["cluster"])
+    elif name == "multisite":
+        topo = _multisite(world_size, ranks_per_node)
     else:
         raise TopologyError(
             f"unknown topology preset {name!r}; use one of {', '.join(PRESETS)} or a path to a .toml file"
         )
     return topo if world_size is None else topo.place(world_size)
+
+
+def _multisite(world_size: int | None, ranks_per_node: int | None) -> Topology:
+    """Two sites of two nodes (ranks_per_node = world/4), or of world/(2·ranks_per_node) nodes when it is given."""
+    if ranks_per_node is None and world_size is not None:
+        _check_count("world_size", world_size, allow_none=False)
+        if world_size % 4:
+            raise TopologyError(
+                f"preset 'multisite' places world_size/4 ranks on each of 2 nodes x 2 sites, but world_size = "
+                f"{world_size} is not divisible by 4; run a multiple of 4 ranks or pass ranks_per_node "
+                "(--ranks-per-node R gives world_size/(2R) nodes per site)")
+    return Topology(name="multisite", tiers=(_NVLINK, _IB, _WAN), intra_node_tier="NVLINK", inter_node_tier="IB",
+                    inter_site_tier="WAN", ranks_per_node=ranks_per_node,
+                    nodes_per_site=2 if ranks_per_node is None else None, num_sites=2,
+                    description=PRESETS["multisite"])
 
 
 # ---- TOML --------------------------------------------------------------------------------------

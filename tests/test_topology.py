@@ -203,7 +203,7 @@ def _bad_base(old: str, new: str):
 
 ERRORS = [
     (lambda: preset("moon"),
-     "unknown topology preset 'moon'; use one of lan, wan, wan-variable, cluster or a path to a .toml file"),
+     "unknown topology preset 'moon'; use one of lan, wan, wan-variable, cluster, multisite or a path to a .toml file"),
     (lambda: preset("wan", world_size=3),
      "topology 'wan' needs a world size divisible by 2 (2 site(s) x 1 node(s) x ? rank(s)); got 3; "
      "run a multiple of 2 ranks or use a TOML file"),
@@ -320,3 +320,60 @@ def test_show_bad_jitter_is_one_line_and_exit_2(tmp_path, line: str, message: st
     result = runner.invoke(app, ["topology", "show", str(path)], env={"COLUMNS": "300"})
     assert result.exit_code == 2
     assert result.stderr.strip() == f"error: {path}: {message}"  # load_topology names the file in every error
+
+
+# ---- the multisite preset (three tiers, two sites) -------------------------------------------------
+def test_multisite_places_two_sites_of_two_nodes_and_prices_each_tier() -> None:
+    topo = resolve_topology("multisite", world_size=4)
+    assert (topo.num_sites, topo.nodes_per_site, topo.ranks_per_node) == (2, 2, 1)
+    assert [topo.site_of(r) for r in range(4)] == [0, 0, 1, 1]
+    assert [topo.node_of(r) for r in range(4)] == [0, 1, 2, 3]
+    # the tiers are the cluster preset's NVLINK and IB and the wan preset's WAN
+    assert topo.tier("WAN") == preset("wan").tier("WAN")
+    assert (topo.tier("NVLINK"), topo.tier("IB")) == (preset("cluster").tier("NVLINK"), preset("cluster").tier("IB"))
+    assert [topo.tier_of(g).name for g in ([0, 1], [2, 3], [0, 2], [1, 3], [1, 2], range(4))] == \
+        ["IB", "IB", "WAN", "WAN", "WAN", "WAN"]
+    # all_reduce of n bytes on 2 ranks (ring): 2α + n/B, with the IB numbers inside a site, the WAN's across
+    n = 4 * MIB
+    inside, across = topo.collective_cost("all_reduce", n, [0, 1]), topo.collective_cost("all_reduce", n, [1, 3])
+    assert (inside.tier, across.tier) == ("IB", "WAN")
+    assert inside.time_s == pytest.approx(2 * 5e-6 + n / 25e9)
+    assert across.time_s == pytest.approx(2 * A + n / BW)
+    wide = preset("multisite", world_size=8)  # 2 ranks per node: NVLINK joins them
+    assert wide.ranks_per_node == 2 and wide.tier_of([0, 1]).name == "NVLINK" and wide.tier_of([0, 2]).name == "IB"
+    assert wide.collective_cost("all_reduce", n, [0, 1]).time_s == pytest.approx(2 * 3e-6 + n / 300e9)
+
+
+@pytest.mark.parametrize(("world", "ranks_per_node", "nodes_per_site"),
+                         [(4, 1, 2), (16, 4, 2), (12, 3, 2), (12, 2, 3), (8, 1, 4), (6, 3, 1)])
+def test_multisite_placement_rule(world: int, ranks_per_node: int, nodes_per_site: int) -> None:
+    given = None if world // ranks_per_node == 4 and nodes_per_site == 2 else ranks_per_node
+    topo = preset("multisite", world_size=world, ranks_per_node=given)
+    assert (topo.num_sites, topo.nodes_per_site, topo.ranks_per_node) == (2, nodes_per_site, ranks_per_node)
+    assert topo.site_of(world // 2 - 1) == 0 and topo.site_of(world // 2) == 1
+
+
+def test_multisite_refuses_a_world_size_not_divisible_by_4() -> None:
+    with pytest.raises(TopologyError) as info:
+        resolve_topology("multisite", world_size=6)
+    assert str(info.value) == (
+        "preset 'multisite' places world_size/4 ranks on each of 2 nodes x 2 sites, but world_size = 6 is not "
+        "divisible by 4; run a multiple of 4 ranks or pass ranks_per_node (--ranks-per-node R gives "
+        "world_size/(2R) nodes per site)")
+    result = runner.invoke(app, ["topology", "show", "multisite", "--world-size", "6"], env={"COLUMNS": "300"})
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert result.stderr.startswith("error: preset 'multisite' places world_size/4 ranks")
+
+
+def test_multisite_is_a_preset_everywhere_presets_are_resolved() -> None:
+    from cpdpkit._env import topology_from_env  # what the emulator and torchrun children resolve
+
+    assert "multisite" in PRESETS and preset("multisite").description == PRESETS["multisite"]
+    assert topology_from_env({"CPDPKIT_TOPOLOGY": "multisite"}, world_size=4) == preset("multisite", world_size=4)
+    result = runner.invoke(app, ["topology", "show", "multisite", "--world-size", "4"], env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    assert "topology multisite: 2 site(s) x 2 node(s) x 1 rank(s)" in result.stdout
+    (wan_row,) = [line for line in result.stdout.splitlines() if line.startswith("│ WAN")]
+    assert "between sites" in wan_row
+    (ib_row,) = [line for line in result.stdout.splitlines() if line.startswith("│ IB")]
+    assert "same site" in ib_row

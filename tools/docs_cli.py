@@ -34,8 +34,8 @@ Conventions of every command: a user mistake (a bad option, an unknown topology,
 file) prints one red line naming the value and the fix and exits 2 before anything starts;
 `cpdpkit --debug COMMAND ...` shows the traceback instead. `--help`, `plan`, `profile` and
 `topology` do not import torch. Sizes accept units (`64MiB`, `80GiB`); a topology is a preset
-name (`lan`, `wan`, `wan-variable`, `cluster`) or a TOML file (`cpdpkit topology show NAME --json` prints one to
-start from).
+name (`lan`, `wan`, `wan-variable`, `cluster`, `multisite`) or a TOML file (`cpdpkit topology show NAME
+--json` prints one to start from).
 """
 
 

@@ -19,7 +19,8 @@ def launch_command(
     script: str = typer.Argument(..., help="The Python script every rank runs; arguments after it go to it."),
     nproc_per_node: int = typer.Option(1, "--nproc-per-node", "--nproc", help="Ranks on this node."),
     topology: str | None = typer.Option(None, "--topology", "-t",
-                                        help="Emulate this topology: lan, wan, wan-variable, cluster or a .toml file."),
+                                        help="Emulate this topology: lan, wan, wan-variable, cluster, multisite "
+                                             "or a .toml file."),
     profile: str | None = typer.Option(None, "--profile",
                                        help="Write each rank's torch.profiler trace and run.json here."),
     py_spy: str | None = typer.Option(None, "--py-spy", help="Record each rank with py-spy (speedscope) here."),

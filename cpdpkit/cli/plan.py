@@ -37,7 +37,7 @@ def plan(
     model: str = typer.Option(..., "--model",
                               help="Preset (resnet50, vit-s, llama-7b, llama-70b) or package.module:factory."),
     topology: str = typer.Option("cluster", "--topology",
-                                 help="Topology preset (lan, wan, wan-variable, cluster) or a .toml path."),
+                                 help="Topology preset (lan, wan, wan-variable, cluster, multisite) or a .toml path."),
     world_size: int = typer.Option(..., "--world-size", help="Number of ranks."),
     ranks_per_node: int | None = typer.Option(None, "--ranks-per-node", help="Override the topology's node size."),
     memory_budget: str = typer.Option(DEFAULT_BUDGET, "--memory-budget",
@@ -60,6 +60,12 @@ def plan(
                                                "estimate."),
     tflops: float | None = typer.Option(None, "--tflops", show_default=_TFLOPS_SHOWN,
                                         help="Achieved TFLOP/s per rank, for the schedule's compute-time estimate."),
+    reconcile_period: int | None = typer.Option(
+        None, "--reconcile-period", metavar="K",
+        help="CPDP across sites: shard inside each site and cross the WAN only every K steps (gradient all-reduce + "
+        "parameter average of each rank's shard, priced per step as its cost / K; SlowMo's float32 anchor and "
+        "momentum in the memory). Needs a topology of several sites (multisite, wan). Default: all-reduce across "
+        "sites every step."),
     show_schedule: bool = typer.Option(True, "--schedule/--no-schedule",
                                        help="Print the two-stage exchange schedule (it stays in --json either way)."),
     json_out: Path | None = typer.Option(None, "--json", help="Write the plan and a summary to this JSON file."),
@@ -84,7 +90,8 @@ def plan(
     config = PlannerConfig(param_dtype=param_dtype, grad_dtype=grad_dtype, optim_state_bytes_per_param=optim_bytes,
                            memory_budget_bytes=None if memory_budget.lower() == "none" else parse_bytes(memory_budget),
                            shard_size=shard_size, allow_state_sharding=state_sharding,
-                           param_sharding=None if param_sharding == "any" else param_sharding)
+                           param_sharding=None if param_sharding == "any" else param_sharding,
+                           reconcile_period=reconcile_period)
     spec, topo = resolve_inputs(model, topology, world_size, ranks_per_node)
     start = time.perf_counter()
     chosen = plan_sharding(spec, topo, config=config)
@@ -159,6 +166,8 @@ def _compare_table(p: ShardingPlan, b: ShardingPlan, summary: dict[str, Any]) ->
 
     table.add_row("strategy", p.strategy, b.strategy, "")
     table.add_row("mesh", _mesh_label(p), _mesh_label(b), "")
+    if p.reconciliation is not None:
+        table.add_row("across sites", f"every {p.reconciliation.period} steps", "every step", "")
     row("units", len(p.units), len(b.units), str)
     row("model states max", summary["max_rank_bytes"], base["max_rank_bytes"])
     row("model states mean", summary["mean_rank_bytes"], base["mean_rank_bytes"])
@@ -195,7 +204,36 @@ def _mesh_label(p: ShardingPlan) -> str:
 
 
 def _tier_time(p: ShardingPlan, tier: str) -> float:
-    return sum(c.time_s for c in p.comm if c.tier == tier)
+    rec = p.reconciliation
+    amortised = rec.amortised_s_per_step if rec is not None and rec.tier == tier else 0.0
+    return sum(c.time_s for c in p.comm if c.tier == tier) + amortised
+
+
+def _reconcile_table(p: ShardingPlan) -> Table:
+    from cpdpkit.planner import format_bytes
+
+    rec = p.reconciliation
+    assert rec is not None
+    table = Table(title=f"cross-site reconciliation every {rec.period} steps ({rec.tier}; {rec.num_groups} "
+                        f"group(s) of {rec.num_ranks} ranks, one per shard)")
+    for col in ("phase", "op", "tier", "ranks", "collectives", "bytes sent", "time", "per step"):
+        table.add_column(col, justify="left" if col in ("phase", "op", "tier") else "right")
+    for c in rec.phases:
+        table.add_row(c.name, c.op, str(c.tier), str(c.num_ranks), str(c.num_collectives),
+                      format_bytes(c.wire_bytes_per_rank), f"{c.time_s:.4f} s", f"{c.time_s / rec.period:.4f} s")
+    table.add_row("reconciliation", "", str(rec.tier), "", "", format_bytes(rec.wire_bytes_per_rank),
+                  f"{rec.time_s:.4f} s", f"{rec.amortised_s_per_step:.4f} s")
+    return table
+
+
+def _multisite_hint(p: ShardingPlan) -> str | None:
+    """A hint for a plan whose replicate axis crosses sites every step (no --reconcile-period)."""
+    topo = p.topology
+    if p.reconciliation is not None or (topo.num_sites or 1) < 2 or p.mesh.replicate_tier != topo.inter_site_tier:
+        return None
+    site_s = sum(c.time_s for c in p.comm if c.tier == topo.inter_site_tier)
+    return (f"the replicate axis crosses the {topo.inter_site_tier} every step ({site_s:.4f} s/step); "
+            "--reconcile-period K shards inside each site and reconciles across sites every K steps (CPDP)")
 
 
 def _comm_table(p: ShardingPlan) -> Table:
@@ -238,12 +276,17 @@ def _render(p: ShardingPlan, baseline: ShardingPlan, summary: dict[str, Any]) ->
     out_console.print(_units_table(p, baseline))
     out_console.print(_compare_table(p, baseline, summary))
     out_console.print(_comm_table(p))
+    if p.reconciliation is not None:
+        out_console.print(_reconcile_table(p))
     if p.candidates:
         out_console.print(_candidates_table(p))
     if p.choice_reason:
         out_console.print(f"[bold]why {p.strategy}:[/bold] {p.choice_reason}", soft_wrap=True)
     for note in p.notes:
         out_console.print(f"[dim]note: {note}[/dim]", soft_wrap=True)
+    hint = _multisite_hint(p)
+    if hint is not None:
+        out_console.print(f"hint: {hint}", soft_wrap=True)
 
 
 _SCHEDULE_HEAD_ROWS = 4  # with more than twice this many units, show the first and last few

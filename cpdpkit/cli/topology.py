@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # cpdpkit.topology loads when the command runs, not for every
 __all__ = ["topology_app", "render_topology"]
 
 topology_app = typer.Typer(
-    help="Inspect network topologies (presets: lan, wan, wan-variable, cluster; or a TOML file).",
+    help="Inspect network topologies (presets: lan, wan, wan-variable, cluster, multisite; or a TOML file).",
     no_args_is_help=True)
 app.add_typer(topology_app, name="topology")
 
@@ -90,7 +90,7 @@ def render_topology(topo: Topology) -> list[Table]:
 @topology_app.command("show")
 def show(
     spec: str = typer.Argument(..., metavar="NAME|FILE",
-                               help="Preset (lan, wan, wan-variable, cluster) or a topology .toml file."),
+                               help="Preset (lan, wan, wan-variable, cluster, multisite) or a topology .toml file."),
     world_size: int | None = typer.Option(None, "--world-size", "-n", help="Place it on this many ranks."),
     ranks_per_node: int | None = typer.Option(None, "--ranks-per-node", help="Override ranks per node."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),

@@ -9,7 +9,9 @@ sharding) the two-stage schedule of the updated-parameter exchanges (:func:`plan
 It also weighs *partially sharded data parallelism* (``param_sharding = "replicated"``,
 strategy ``partial``: parameters replicated, gradients and optimizer state sharded over the
 world, node first) and keeps every candidate it evaluated and why it chose (``candidates``,
-``choice_reason``).
+``choice_reason``). With ``PlannerConfig.reconcile_period = K`` on a topology of several sites
+(CPDP across sites) the site is the sharding domain and the replicate axis crosses the WAN only
+at a reconciliation every K steps (the plan's :class:`Reconciliation`, priced per step as 1/K).
 :func:`~cpdpkit.planner.apply.apply_plan` (imports torch) applies a plan with FSDP2.
 
 Imports point one way, all at module level: records that import no algorithm (``config``;
@@ -32,6 +34,7 @@ from cpdpkit.planner.plan import (
     MeshPlan,
     ParamPlacement,
     RankBytes,
+    Reconciliation,
     ShardingPlan,
     StateSharding,
     UnitPlan,
@@ -56,6 +59,7 @@ __all__ = [
     "PlannerConfig",
     "PlannerError",
     "RankBytes",
+    "Reconciliation",
     "ShardingPlan",
     "StateSharding",
     "TwoStageExecutor",

@@ -48,7 +48,7 @@ import numpy as np
 
 from cpdpkit.network import NetworkGroup
 from cpdpkit.planner.config import PlannerConfig, ceil_div
-from cpdpkit.planner.plan import CommPhase, RankBytes
+from cpdpkit.planner.plan import CommPhase, RankBytes, Reconciliation
 from cpdpkit.topology import Topology
 
 __all__ = ["Layout", "shard_layout", "UnitGeom", "CostModel", "Candidate", "Evaluation", "partial_owned",
@@ -118,10 +118,13 @@ class Evaluation:
     candidate: Candidate
     rank_bytes: RankBytes
     comm: tuple[CommPhase, ...]
+    reconciliation: Reconciliation | None = None  # set by cpdpkit.planner._reconcile_cost
 
     @property
     def time_s(self) -> float:
-        return sum(p.time_s for p in self.comm)
+        """Modeled seconds per step: every per-step collective, plus the amortised reconciliation."""
+        rec = self.reconciliation
+        return sum(p.time_s for p in self.comm) + (rec.amortised_s_per_step if rec is not None else 0.0)
 
 
 class CostModel:

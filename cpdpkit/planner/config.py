@@ -118,6 +118,12 @@ class PlannerConfig(Record):
       shard axis); ``"replicated"`` plans only *partially sharded* data parallelism (``strategy
       "partial"``: parameters replicated on every rank, gradients and optimizer state sharded
       across the world, node first); ``None`` considers both.
+    * ``reconcile_period``: CPDP's period K across sites. On a topology of several sites the
+      shard axis is then the site, and the replicate axis (across sites, over the WAN) carries
+      only a reconciliation every K steps (gradient all-reduce + parameter average of each
+      rank's shard), priced per step as its cost / K; SlowMo's anchor and slow momentum
+      (float32, 2 × the rank's parameter shard) join each rank's memory. ``None`` (the
+      default): the replicate axis all-reduces every step, as plain FSDP2/HSDP does.
     """
 
     param_dtype: str = "bfloat16"
@@ -129,6 +135,7 @@ class PlannerConfig(Record):
     shard_size: int | None = None
     reshard_after_forward: bool | int | None = None
     param_sharding: str | None = None
+    reconcile_period: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_dtype", _canonical_dtype(self.param_dtype))
@@ -150,6 +157,19 @@ class PlannerConfig(Record):
         if not isinstance(self.allow_state_sharding, bool):
             raise PlannerError(f"allow_state_sharding = {self.allow_state_sharding!r} must be True or False")
         self._check_param_sharding()
+        self._check_reconcile_period()
+
+    def _check_reconcile_period(self) -> None:
+        k = self.reconcile_period
+        if k is None:
+            return
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise PlannerError(f"reconcile_period = {k!r} is invalid; use a whole number of steps >= 1 (CPDP's K, "
+                               "such as 4) or None (all-reduce across sites every step)")
+        if self.param_sharding == "replicated":
+            raise PlannerError(f"param_sharding = 'replicated' exchanges gradients and parameters across the world "
+                               f"every step, which reconcile_period = {k} forbids (the WAN carries only the "
+                               "reconciliation); use 'sharded' or None, or leave reconcile_period None")
 
     def _check_param_sharding(self) -> None:
         ps = self.param_sharding
@@ -164,6 +184,12 @@ class PlannerConfig(Record):
         if self.reshard_after_forward not in (None, False):
             raise PlannerError(f"param_sharding = 'replicated' keeps parameters unsharded, so reshard_after_forward "
                                f"= {self.reshard_after_forward!r} cannot hold; leave it None or use 'sharded'")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        if self.reconcile_period is None:  # written only when set: a plan without it stays format 2, byte for byte
+            del out["reconcile_period"]
+        return out
 
     @property
     def param_bytes(self) -> int:

@@ -15,6 +15,13 @@ parallelism) keeps every parameter whole on every rank: it has no placements, it
 ``padded_numel`` equal ``numel``, and its gradients and optimizer state are split flat per unit
 (see :mod:`cpdpkit.planner._cost`). Format version 2 added ``param_sharding``, ``candidates``
 and ``choice_reason``; version-1 JSON still loads (as ``"sharded"``, with no candidates).
+
+A plan planned with ``reconcile_period = K`` on a topology of several sites has a
+:class:`Reconciliation`: its replicate axis (across sites) carries no per-step collective, only
+a gradient all-reduce and a parameter average every K steps (see
+:mod:`cpdpkit.planner._reconcile_cost`). Such a plan is written as format version 3 (so a reader
+that does not know reconciliations refuses it rather than all-reduce across sites every step);
+every other plan is still written as version 2, unchanged.
 """
 
 from __future__ import annotations
@@ -39,12 +46,14 @@ __all__ = [
     "RankBytes",
     "CommPhase",
     "CandidateSummary",
+    "Reconciliation",
     "ShardingPlan",
     "PLAN_FORMAT_VERSION",
 ]
 
 PLAN_FORMAT_VERSION = 2
-_READABLE_VERSIONS = (1, 2)
+_RECONCILED_FORMAT_VERSION = 3  # a plan with a reconciliation
+_READABLE_VERSIONS = (1, 2, 3)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,6 +204,50 @@ class CandidateSummary(Record):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Reconciliation:
+    """The cross-site reconciliation of a plan with ``reconcile_period`` (CPDP across sites).
+
+    Every ``period`` steps each rank all-reduces its gradient shard (one collective per unit, as
+    FSDP2's HSDP does on the replicate axis) and averages its parameter shard (one flat
+    all-reduce, as SlowMo's averaging does) over its cross-site group: the ``num_ranks`` ranks
+    holding the same shard, one per site, over ``tier``. There are ``num_groups`` such groups
+    (one per rank of a site); each phase is priced for one group by the topology's network model,
+    as the planner prices every replicate-axis phase.
+
+    ``phases`` are per reconciliation; ``wire_bytes_per_rank`` and ``time_s`` their sums;
+    ``amortised_s_per_step`` is ``time_s / period``, the part of each step's modeled time.
+    ``slowmo_state_bytes`` is SlowMo's anchor and slow momentum per rank (2 × the rank's padded
+    parameter shard in ``anchor_dtype``), included in the plan's optimizer bytes and peak.
+    """
+
+    period: int
+    axis: str
+    tier: str | None
+    num_ranks: int
+    num_groups: int
+    phases: tuple[CommPhase, ...]
+    wire_bytes_per_rank: int
+    time_s: float
+    amortised_s_per_step: float
+    slowmo_state_bytes: int
+    anchor_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "phases", tuple(self.phases))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"period": self.period, "axis": self.axis, "tier": self.tier, "num_ranks": self.num_ranks,
+                "num_groups": self.num_groups, "phases": [c.to_dict() for c in self.phases],
+                "wire_bytes_per_rank": self.wire_bytes_per_rank, "time_s": self.time_s,
+                "amortised_s_per_step": self.amortised_s_per_step, "slowmo_state_bytes": self.slowmo_state_bytes,
+                "anchor_dtype": self.anchor_dtype}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Reconciliation:
+        return cls(**{**data, "phases": tuple(CommPhase.from_dict(c) for c in data["phases"])})
+
+
+@dataclass(frozen=True, kw_only=True)
 class ShardingPlan:
     """A frozen sharding plan for one model on one placed topology.
 
@@ -210,6 +263,11 @@ class ShardingPlan:
     "partial"``). ``candidates`` lists every candidate the search evaluated (the chosen one
     marked) and ``choice_reason`` says in one sentence why this one won; both are empty for a
     plan that was not searched (FSDP2's default) or read from version-1 JSON.
+
+    ``reconciliation`` (``None`` unless planned with ``reconcile_period`` on several sites): the
+    replicate axis's periodic exchange; ``comm`` then holds only per-step collectives, and
+    ``tier_bytes_per_step`` / ``predicted_comm_s_per_step`` add the reconciliation averaged
+    over its period.
     """
 
     model_name: str
@@ -229,6 +287,7 @@ class ShardingPlan:
     param_sharding: str = "sharded"
     candidates: tuple[CandidateSummary, ...] = ()
     choice_reason: str = ""
+    reconciliation: Reconciliation | None = None
 
     def __post_init__(self) -> None:
         for name in ("units", "placements", "comm", "notes", "candidates"):
@@ -256,12 +315,17 @@ class ShardingPlan:
         for phase in self.comm:
             if phase.tier is not None:
                 out[phase.tier] += phase.wire_bytes_per_rank
+        rec = self.reconciliation
+        if rec is not None and rec.tier is not None:  # averaged over the period
+            out[rec.tier] += round(rec.wire_bytes_per_rank / rec.period)
         return out
 
     @property
     def predicted_comm_s_per_step(self) -> float:
-        """Sum of the modeled times of every collective of a step (no overlap assumed)."""
-        return sum(p.time_s for p in self.comm)
+        """Sum of the modeled times of every collective of a step (no overlap assumed), plus the
+        reconciliation's ``amortised_s_per_step`` when the plan has one."""
+        rec = self.reconciliation
+        return sum(p.time_s for p in self.comm) + (rec.amortised_s_per_step if rec is not None else 0.0)
 
     def summary(self) -> dict[str, Any]:
         totals = self.rank_bytes.total_bytes
@@ -279,12 +343,12 @@ class ShardingPlan:
             "model_bytes": self.model_bytes,
             "tier_bytes_per_step": self.tier_bytes_per_step,
             "predicted_comm_s_per_step": self.predicted_comm_s_per_step,
-        }
+        } | ({} if self.reconciliation is None else {"reconciliation": self.reconciliation.to_dict()})
 
     # ---- JSON ------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "format_version": PLAN_FORMAT_VERSION,
+        out = {
+            "format_version": PLAN_FORMAT_VERSION if self.reconciliation is None else _RECONCILED_FORMAT_VERSION,
             "model_name": self.model_name,
             "strategy": self.strategy,
             "param_sharding": self.param_sharding,
@@ -303,6 +367,9 @@ class ShardingPlan:
             "candidates": [c.to_dict() for c in self.candidates],
             "choice_reason": self.choice_reason,
         }
+        if self.reconciliation is not None:
+            out["reconciliation"] = self.reconciliation.to_dict()
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ShardingPlan:
@@ -338,6 +405,8 @@ class ShardingPlan:
             param_sharding=data.get("param_sharding", "sharded"),
             candidates=tuple(CandidateSummary.from_dict(c) for c in data.get("candidates", ())),
             choice_reason=data.get("choice_reason", ""),
+            reconciliation=None if data.get("reconciliation") is None
+            else Reconciliation.from_dict(data["reconciliation"]),
         )
 
     def to_json(self, **kwargs: Any) -> str:

@@ -30,6 +30,11 @@ closed form; among candidates within the memory budget the fastest wins, and amo
 partial plan wins when it is more than 1 % faster than every sharded plan that fits, i.e. when
 memory rules those out; ``param_sharding`` forces either kind). The plan keeps every
 candidate's figures (``candidates``) and says why it won (``choice_reason``).
+
+6. **Reconciliation across sites** (``reconcile_period = K`` on a topology of several sites,
+   CPDP over sharded training inside each site): the shard axis is the site, the replicate axis
+   crosses sites only at a reconciliation every K steps, priced per step as its cost / K, and
+   SlowMo's anchor and slow momentum join the memory (:mod:`cpdpkit.planner._reconcile_cost`).
 :func:`fsdp2_default_plan` prices FSDP2's defaults the same way.
 """
 
@@ -41,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from cpdpkit.planner._cost import Candidate, CostModel, Evaluation, UnitGeom, _is_int, evaluate, shard_layout
+from cpdpkit.planner._reconcile_cost import reconcile_site_size, reconciled
 from cpdpkit.planner.config import PlannerConfig, PlannerError, ceil_div, format_bytes
 from cpdpkit.planner.model_spec import ROOT, ModelSpec
 from cpdpkit.planner.plan import CandidateSummary, MeshPlan, ParamPlacement, ShardingPlan, StateSharding, UnitPlan
@@ -184,7 +190,9 @@ def _shard_sizes(topo: Topology) -> list[tuple[str, int]]:
 
 def _candidates(topo: Topology, config: PlannerConfig) -> list[Candidate]:
     out = _sharded_candidates(topo, config) if config.param_sharding != "replicated" else []
-    if config.param_sharding != "sharded":
+    # a partial plan exchanges across the world every step: not with a reconciliation period (the
+    # config refuses param_sharding="replicated" with one)
+    if config.param_sharding != "sharded" and reconcile_site_size(topo, config) is None:
         out += _partial_candidates(topo, config)
     return out
 
@@ -219,12 +227,17 @@ def _sharded_candidates(topo: Topology, config: PlannerConfig) -> list[Candidate
     out = []
     world, rpn = topo.world_size, topo.ranks_per_node
     sizes = _shard_sizes(topo)
-    if config.shard_size is not None:
+    site = reconcile_site_size(topo, config)
+    if site is not None:  # the site is the sharding domain; shard_size is checked to be it
+        sizes = [(name, s) for name, s in sizes if s == site]
+    elif config.shard_size is not None:
         if world % config.shard_size:  # type: ignore[operator]
             raise PlannerError(f"shard_size = {config.shard_size} does not divide the world size {world}; "
                                f"use a divisor such as {topo.ranks_per_node} (one node) or {world}")
         chosen = dict((s, name) for name, s in sizes).get(config.shard_size, "hsdp")
         sizes = [("fsdp" if config.shard_size == world else chosen, config.shard_size)]
+    # with a reconciliation the replicate axis crosses sites only every K steps: no state sharding across it
+    state_sharding = config.allow_state_sharding and site is None
     for strategy, s in sizes:
         rafs: list[bool | int] = [True, False]
         if s == world and 1 < rpn < world:  # type: ignore[operator]
@@ -232,7 +245,7 @@ def _sharded_candidates(topo: Topology, config: PlannerConfig) -> list[Candidate
         if config.reshard_after_forward is not None:
             rafs = [_checked_raf(config.reshard_after_forward, s, topo)]
         for raf in rafs:
-            for sharded in ((False, True) if config.allow_state_sharding and s < world else (False,)):  # type: ignore[operator]
+            for sharded in ((False, True) if state_sharding and s < world else (False,)):  # type: ignore[operator]
                 label = strategy + ("-hpz" if _is_int(raf) else "")
                 out.append(Candidate(strategy=label, shard_size=s, reshard_after_forward=raf, state_sharded=sharded))
     return out
@@ -295,13 +308,29 @@ def _notes(cand: Candidate, evaluation: Evaluation, config: PlannerConfig) -> li
         notes.append("this plan fits the memory budget only with "
                      + ("gradients and optimizer state sharded" if cand.param_sharding == "replicated"
                         else "optimizer-state sharding"))
+    if evaluation.reconciliation is not None:
+        notes.append(_reconcile_note(evaluation))
     notes.append("activations are not modeled; keep room for them beside peak_memory_bytes")
     return notes
+
+
+def _reconcile_note(evaluation: Evaluation) -> str:
+    rec = evaluation.reconciliation
+    assert rec is not None
+    return (f"CPDP across sites: each site shards the model over its {evaluation.candidate.shard_size} ranks; the "
+            f"replicate axis ({rec.num_ranks} sites, {rec.tier}) carries nothing on a local step (apply_plan shards "
+            f"over the site only; wrap the optimizer in PeriodicSyncOptimizer(group=mesh['replicate'].get_group(), "
+            f"period={rec.period})) and every {rec.period} steps a "
+            f"reconciliation: gradient all-reduce and parameter average of each rank's shard, "
+            f"{format_bytes(rec.wire_bytes_per_rank)} per rank in {_fmt_s(rec.time_s)} "
+            f"({_fmt_s(rec.amortised_s_per_step)}/step); SlowMo's anchor and slow momentum ({rec.anchor_dtype}) add "
+            f"{format_bytes(rec.slowmo_state_bytes)} per rank, included in the peak")
 
 
 def _evaluate_all(spec: ModelSpec, topo: Topology, config: PlannerConfig,
                   candidates: list[Candidate], *, balanced: bool, merge: bool) -> list[tuple[Evaluation, Any]]:
     model = CostModel(topo)
+    reconciling = reconcile_site_size(topo, config) is not None
     results = []
     for cand in candidates:
         min_bytes = config.min_unit_bytes or _auto_min_unit_bytes(topo, cand.shard_size)
@@ -310,7 +339,10 @@ def _evaluate_all(spec: ModelSpec, topo: Topology, config: PlannerConfig,
             built = _build_partial_units(spec, groups)
         else:
             built = _build_units(spec, groups, cand.shard_size, balanced=balanced, raf=cand.reshard_after_forward)
-        results.append((evaluate(model, built[1], cand, config), built))
+        evaluation = evaluate(model, built[1], cand, config)
+        if reconciling:
+            evaluation = reconciled(model, built[1], evaluation, config)
+        results.append((evaluation, built))
     return results
 
 
@@ -335,6 +367,7 @@ def _to_plan(spec: ModelSpec, topo: Topology, config: PlannerConfig, evaluation:
         all_gather_order=() if partial else tuple(_all_gather_order(units)),
         notes=tuple(notes if notes is not None else _notes(cand, evaluation, config)),
         param_sharding=cand.param_sharding, candidates=candidates, choice_reason=reason,
+        reconciliation=evaluation.reconciliation,
     )
     return replace(plan, schedule=plan_two_stage(plan))
 
@@ -489,8 +522,9 @@ def _choice_reason(cands: tuple[CandidateSummary, ...], budget: int | None, *, n
 def fsdp2_default_plan(model: Any, topology: Topology | str, *, world_size: int | None = None,
                        config: PlannerConfig | None = None, ranks_per_node: int | None = None) -> ShardingPlan:
     """FSDP2's default for the same inputs: every block a unit, ``Shard(0)`` everywhere, HSDP
-    with shards inside a node (plain FSDP on one node), no state sharding. Ignores the budget."""
-    config = config or PlannerConfig()
+    with shards inside a node (plain FSDP on one node), no state sharding. Ignores the budget
+    and ``reconcile_period`` (FSDP2's HSDP all-reduces across its replicate axis every step)."""
+    config = replace(config or PlannerConfig(), reconcile_period=None)
     spec, topo = resolve_inputs(model, topology, world_size, ranks_per_node)
     s: int = topo.ranks_per_node  # type: ignore[assignment]
     cand = Candidate(strategy="fsdp2-default", shard_size=s, reshard_after_forward=True, state_sharded=False)
