@@ -9,7 +9,7 @@ Usage (every rank runs the same lines)::
         ckpt.maybe_save(step, model=model, optimizer=opt)  # saves when step % 8 == 0
 
 ``optimizer`` is a :class:`~cpdpkit.sync.PeriodicSyncOptimizer` (any strategy, mid-warm-up, mid-period,
-a reconciliation in flight), a :class:`~cpdpkit.planner.TwoStageExecutor` or
+a reconciliation in flight, over a plain, DDP or FSDP2-sharded model), a :class:`~cpdpkit.planner.TwoStageExecutor` or
 :class:`~cpdpkit.planner.PartialShardExecutor`, or any object with ``state_dict``/``load_state_dict``
 (a plain ``torch.optim`` optimizer). ``extra={"scheduler": sched}`` adds more such objects.
 
@@ -290,10 +290,12 @@ class Checkpointer:
         prefix = f"rank{self._rank()}"
         tensors: dict[str, torch.Tensor] = {}
         skeleton = _flatten(whole, prefix, tensors)
-        if _holds_local_shards(skeleton["optimizer"]) or _holds_local_shards(skeleton["extra"]):
+        # PeriodicSyncOptimizer wraps local shards back into DTensors when it loads; a plain optimizer cannot
+        rebuilds = _describe(optimizer)[0] == "PeriodicSyncOptimizer"
+        if (_holds_local_shards(skeleton["optimizer"]) and not rebuilds) or _holds_local_shards(skeleton["extra"]):
             raise CheckpointError(f"{type(optimizer).__name__}'s state holds DTensors (FSDP2 with a plain optimizer), "
-                                  "which restore could not rebuild: use TwoStageExecutor, or dcp.save(get_state_dict("
-                                  "model, optimizer)) for such a model")
+                                  "which restore could not rebuild: wrap the optimizer in PeriodicSyncOptimizer or use "
+                                  "TwoStageExecutor, or dcp.save(get_state_dict(model, optimizer)) for such a model")
         # bytes: DCP stores them as one opaque entry (a dict or list would be flattened into many)
         return {**tensors, f"{prefix}/{_SKELETON}": pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)}
 

@@ -100,12 +100,13 @@ def build_mesh(who: str, model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh 
     if not dist.is_available() or not dist.is_initialized():
         raise DistributedSetupError(f"{who} needs an initialised process group; call "
                                     "cpdpkit.init_distributed() (or dist.init_process_group) first")
-    if dist.get_world_size() != plan.world_size:
-        raise DistributedSetupError(f"the plan is for {plan.world_size} ranks but the world size is "
-                                    f"{dist.get_world_size()}; re-plan with --world-size {dist.get_world_size()}")
     if mesh is None:
+        if dist.get_world_size() != plan.world_size:
+            raise DistributedSetupError(f"the plan is for {plan.world_size} ranks but the world size is "
+                                        f"{dist.get_world_size()}; re-plan with --world-size {dist.get_world_size()}")
         device = next((p.device.type for p in model.parameters() if p.device.type != "meta"), "cpu")
         return init_device_mesh(device, plan.mesh.shape, mesh_dim_names=("replicate", "shard"))
+    # a given mesh may be a part of the world (one site's sub-mesh, under PeriodicSyncOptimizer)
     if tuple(mesh.shape) != plan.mesh.shape or tuple(mesh.mesh_dim_names or ()) != ("replicate", "shard"):
         raise DistributedSetupError(f"mesh {tuple(mesh.shape)} {mesh.mesh_dim_names} must be the plan's "
                                     f"{plan.mesh.shape} ('replicate', 'shard'); pass mesh=None to build it")
@@ -176,6 +177,10 @@ class SliceExecutor(ExecutorStateMixin):
         self._rep_group = mesh.get_group("replicate")
         self._rep_size = mesh.size(0)
         self._rep_rank = mesh.get_local_rank("replicate")
+        if self.max_grad_norm is not None and mesh.size() != dist.get_world_size():
+            raise PlannerError(f"max_grad_norm with a mesh of {mesh.size()} of the world's {dist.get_world_size()} "
+                               "ranks: the norm is all-reduced over the world; clip with a mesh of the whole world")
+        self._outer: Any = None  # PeriodicSyncOptimizer across replicas of this executor (attach_periodic_sync)
 
     def _setup_pipeline(self, units: list[SliceUnit], optimizer_factory: OptimizerFactory) -> None:
         """Build the inner optimizer over the slices, adopt the plan's schedule, register the hooks."""
@@ -268,6 +273,9 @@ class SliceExecutor(ExecutorStateMixin):
         A unit not ready yet, or any unit while clipping does not speculate this step, is carried
         to the next point (decided by hook order and the step's clipping state, the same on every rank).
         """
+        if self._defers():  # periodic sync work goes between the updates and the exchanges: all in step()
+            self._carry.extend(due)
+            return
         clip = self.max_grad_norm is not None
         carry, self._carry = self._carry, []
         for u in sorted(carry + due, key=lambda x: x.order):
@@ -286,7 +294,7 @@ class SliceExecutor(ExecutorStateMixin):
         self._num_completed += sum(1 for u in self._bwd_launched
                                    if u.pending_ag is not None and u.pending_ag[0].is_completed())
         self._num_launched += len(self._bwd_launched)
-        if not self.update_in_backward:
+        if not self.update_in_backward or self._defers():
             return
         if self.max_grad_norm is not None:
             self._clip_norm()
@@ -304,6 +312,8 @@ class SliceExecutor(ExecutorStateMixin):
         unit.pending_rs = None
         grad = recv[:unit.hi - unit.lo]
         unit.grad = grad if grad.dtype == torch.float32 else grad.float()
+        if self._outer is not None:  # across replicas of the executor, on the steps that sync gradients
+            self._outer.reduce_gradient(unit.grad)
         if self.max_grad_norm is not None:
             unit.sq = unit.grad.double().pow(2).sum()
 
@@ -388,10 +398,17 @@ class SliceExecutor(ExecutorStateMixin):
         self._before_step()
         if self.max_grad_norm is not None and self._coef is None:
             self._clip_norm()
+        defer = self._defers()
         for u in self._exec_order:
             if u.ready and not u.launched:
                 self._update(u, self._coef)
-                self._launch(u)
+                if not defer:
+                    self._launch(u)
+        if defer:
+            self._outer.after_updates()  # e.g. a reconciliation of the slices across replicas
+            for u in self._exec_order:
+                if u.ready and not u.launched:
+                    self._launch(u)
         for u in self._exec_order:
             if u.stage == 1:
                 self._finish(u)
@@ -432,6 +449,35 @@ class SliceExecutor(ExecutorStateMixin):
             raise PlannerError(f"requires_gradient_sync = {requires_gradient_sync!r} must be True or False")
         self._sync = requires_gradient_sync
         self._set_gradient_sync(requires_gradient_sync)
+
+    # ---- periodic sync across replicas of the whole executor -------------------------------------
+    def attach_periodic_sync(self, outer: Any) -> list[nn.Parameter]:
+        """Let ``outer`` (a :class:`~cpdpkit.sync.PeriodicSyncOptimizer`) synchronise this executor across sites.
+
+        ``outer.reduce_gradient(grad)`` sees each slice gradient once it is reduced inside the mesh;
+        when ``outer.defers_exchange()`` is true for the coming step, every update happens in
+        :meth:`step`, then ``outer.after_updates()``, then the exchanges. Returns the slice parameters.
+        """
+        if self.max_grad_norm is not None:
+            raise PlannerError(f"{type(self).__name__} with max_grad_norm under PeriodicSyncOptimizer: the norm would "
+                               "be taken before the gradients are synchronised across sites; clip without it, or "
+                               "pass max_grad_norm=None")
+        if self._outer is not None:
+            raise PlannerError(f"{type(self).__name__} is already wrapped by a PeriodicSyncOptimizer: wrap it once")
+        self._outer = outer
+        return self.slice_params
+
+    def _defers(self) -> bool:
+        return self._outer is not None and self._outer.defers_exchange()
+
+    def publish_slices(self) -> None:
+        """Exchange every unit's slice now and write it into the model (every rank of the mesh calls it)."""
+        self.wait_exchanges()
+        for u in self._units:
+            self._launch(u)
+        for u in self._units:
+            self._finish(u)
+            u.launched = False
 
     def wait_exchanges(self) -> None:
         """Finish every pending all-gather (the next forward does this unit by unit by itself)."""

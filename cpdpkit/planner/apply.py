@@ -39,10 +39,10 @@ def _mesh_for(plan: ShardingPlan, mesh: DeviceMesh | None, model: nn.Module) -> 
         raise DistributedSetupError("apply_plan needs an initialised process group; call "
                                     "cpdpkit.init_distributed() (or dist.init_process_group) first")
     world = dist.get_world_size()
-    if world != plan.world_size:
-        raise DistributedSetupError(f"the plan is for {plan.world_size} ranks but the world size is {world}; "
-                                    f"re-plan with --world-size {world}")
     if mesh is None:
+        if world != plan.world_size:
+            raise DistributedSetupError(f"the plan is for {plan.world_size} ranks but the world size is {world}; "
+                                        f"re-plan with --world-size {world}")
         device = next((p.device.type for p in model.parameters() if p.device.type != "meta"), None)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -84,7 +84,10 @@ def apply_plan(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh | None = N
 
     ``mesh`` defaults to ``init_device_mesh(device, plan.mesh.shape, mesh_dim_names=...)`` on
     the model's device type (CUDA when the model is on the meta device and CUDA exists).
-    ``mp_policy`` / ``offload_policy`` pass through to every ``fully_shard`` call.
+    ``mp_policy`` / ``offload_policy`` pass through to every ``fully_shard`` call. A plan with a
+    cross-site ``reconciliation`` (``reconcile_period``) is sharded over the mesh's ``shard``
+    sub-mesh only; wrap its optimizer in ``PeriodicSyncOptimizer(inner, model=model,
+    group=mesh["replicate"].get_group(), period=plan.reconciliation.period)``.
     """
     if not isinstance(plan, ShardingPlan):
         raise TypeError(f"plan = {type(plan).__name__} must be a ShardingPlan (ShardingPlan.load(path) reads a file)")
@@ -93,6 +96,9 @@ def apply_plan(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh | None = N
                            "shard: train it with cpdpkit.planner.PartialShardExecutor")
     dims = _placement_dims(model, plan)
     mesh = _mesh_for(plan, mesh, model)
+    if plan.reconciliation is not None:
+        # CPDP across sites: FSDP2 inside the site only; PeriodicSyncOptimizer crosses the replicate axis
+        mesh = mesh["shard"]
     extra: dict[str, Any] = {}
     if mp_policy is not None:
         extra["mp_policy"] = mp_policy

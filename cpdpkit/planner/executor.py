@@ -90,6 +90,14 @@ and the measured mean update time, and adopts the result.
 micro-batches that only accumulate (FSDP2's switch); the synced backward must be followed by
 ``step()``: a second synced backward, or ``zero_grad()`` once slices were updated, raises.
 
+**Across sites** (``PeriodicSyncOptimizer(ex.optimizer, model=ex, group=<cross-site group>)``, the
+executor built on one site's sub-mesh of a ``("site", "replicate", "shard")`` mesh): the wrapper
+attaches itself (:meth:`~cpdpkit.planner._slices.SliceExecutor.attach_periodic_sync`); each slice
+gradient, once reduced inside the site, is averaged across sites on the wrapper's gradient-sync
+steps, and on a step that reconciles (or applies an overlapped average) every update runs in
+:meth:`step`, then the wrapper's reconciliation of the slices, then the exchanges. Other steps keep
+stage 1. ``max_grad_norm`` is refused there, and with any mesh smaller than the world.
+
 **Mixed precision** (``mp_policy``, FSDP2's ``MixedPrecisionPolicy``): FSDP2 computes in
 ``param_dtype`` and keeps fp32 sharded parameters; the replicate reduce-scatter runs in the
 dtype FSDP2 hands the hook (the policy's ``reduce_dtype``, float32 or bfloat16, as HSDP's

@@ -90,6 +90,11 @@ class Communicator:
         self._count(tensor)
         return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
 
+    def all_reduce_avg_async(self, tensor: torch.Tensor) -> dist.Work:
+        """The mean in place with ``ReduceOp.AVG`` (what FSDP2's HSDP all-reduce uses, for equal numbers)."""
+        self._count(tensor)
+        return dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
+
     def all_reduce_max_async(self, tensor: torch.Tensor) -> dist.Work:
         self._count(tensor)
         return dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)

@@ -34,7 +34,7 @@ from torch.profiler import record_function
 
 from cpdpkit.labels import SYNC
 from cpdpkit.sync._comm import Communicator
-from cpdpkit.sync._flat import FlatParameters
+from cpdpkit.sync._flat import SegmentedParameters
 from cpdpkit.sync._state_policies import flatten_by_dtype, sync_buffers, sync_optimizer_state, write_back
 from cpdpkit.sync.config import SyncConfig
 from cpdpkit.sync.period_control import PeriodDecision, PeriodSchedule, decide_period, divergence
@@ -101,7 +101,7 @@ class Reconciler:
     SlowMo's update; the same on every rank) before it is applied: the replica check.
     """
 
-    def __init__(self, config: SyncConfig, flat: FlatParameters, *, slow: Communicator,
+    def __init__(self, config: SyncConfig, flat: SegmentedParameters, *, slow: Communicator,
                  world: Communicator, optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
                  buffers: Callable[[], list[torch.Tensor]], blocked_s: Callable[[], float],
                  on_reconciled: Callable[[int, list[torch.Tensor]], None] | None = None) -> None:
@@ -149,16 +149,18 @@ class Reconciler:
     def reconcile_blocking(self, n: int) -> None:
         cfg = self.config
         self._flat.ensure_bound()
-        storages = self._flat.storages if cfg.auto else self._flat.flats
+        values = self._flat.pack(slots=cfg.auto)  # the parameters themselves, or a packed copy of the shards
         if cfg.auto:
-            measured = self._write_measurement(n, self._flat.stats_slots())
+            measured = self._write_measurement(n, self._flat.stats_slots(values))
         with self._slow.blocking(SYNC.PARAM_AVERAGE):
-            self._slow.average_(storages, cfg.bucket_cap_bytes)
+            self._slow.average_(values, cfg.bucket_cap_bytes)
         if cfg.auto:
-            self._decide(n, measured, storages)
-        self._outer_update(self._flat.flats)
+            self._decide(n, measured, values)
+        averages = self._flat.fronts(values)
+        self._outer_update(averages)
         if self._on_reconciled is not None:
-            self._on_reconciled(n, self._flat.flats)
+            self._on_reconciled(n, averages)
+        self._flat.unpack(values)
         sync_buffers(self._world, self._buffers(), cfg.buffers, cfg.bucket_cap_bytes)
         sync_optimizer_state(self._slow, self._optim, self._params, cfg.optimizer_state,
                              cfg.bucket_cap_bytes)
@@ -181,9 +183,9 @@ class Reconciler:
         cfg = self.config
         self.apply(n)  # at most one in flight: a result still pending is applied first
         self._flat.ensure_bound()
-        sent = [s.clone() for s in self._flat.storages]
+        sent = self._flat.snapshot(slots=cfg.auto)
+        launched = [f.clone() for f in self._flat.fronts(sent)]
         measured = self._write_measurement(n, self._flat.stats_slots(sent)) if cfg.auto else 0
-        launched = [f.clone() for f in self._flat.flats]
         buffers = _BufferExchange.plan(self._buffers(), cfg.buffers)
         with record_function(SYNC.PARAM_AVERAGE_LAUNCH.label):  # the launch only: it runs on
             works = self._slow.average_async(sent, cfg.bucket_cap_bytes)
@@ -214,8 +216,10 @@ class Reconciler:
         if self._on_reconciled is not None:
             self._on_reconciled(flight.launch_step, flight.sent)
         self._flat.ensure_bound()
-        for flat, reconciled, launched in zip(self._flat.flats, flight.sent, flight.launched):
+        current = self._flat.pack()
+        for flat, reconciled, launched in zip(current, flight.sent, flight.launched):
             flat.copy_(torch.add(reconciled[: flat.numel()], torch.sub(flat, launched)))
+        self._flat.unpack(current)
         flight.buffers.apply()
         if self.config.optimizer_state == "reset":
             self._optim.state.clear()

@@ -76,10 +76,12 @@ def _floating_state(
             if key == "step":
                 continue
             if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() > 0:
-                out.append(value)
+                # a DTensor's state (FSDP2): its local shard itself, averaged with the other replicas' same shard
+                out.append(value.to_local() if hasattr(value, "to_local") else value)
     return out
 
 
+@torch.no_grad()
 def sync_optimizer_state(
     comm: Communicator,
     optimizer: torch.optim.Optimizer,

@@ -18,6 +18,18 @@ asynchronously and applied τ steps later, keeping the local progress made meanw
 reconciliation's anchor (:mod:`cpdpkit.sync._reconcile` has the whole formula). With
 ``period="auto"`` a controller chooses K at run time (:mod:`cpdpkit.sync.period_control`).
 
+**Across sites, sharded inside each** (:mod:`cpdpkit.sync._sharded`): ``model`` may be an FSDP2
+module sharded over one site (``fully_shard(..., mesh=mesh["shard"])``) or a
+:class:`~cpdpkit.planner.TwoStageExecutor` built on one site's sub-mesh, with ``group`` the
+cross-site replicate group; every step synchronises inside the site as FSDP2 (or the executor) does,
+and every K steps the reconciliation runs over ``group`` on this rank's shard only. SlowMo's anchor
+and momentum are then shard-sized::
+
+    mesh = init_device_mesh("cpu", (num_sites, ranks_per_site), mesh_dim_names=("replicate", "shard"))
+    fully_shard(model, mesh=mesh["shard"])          # (and each block first)
+    opt = PeriodicSyncOptimizer(torch.optim.AdamW(model.parameters()), model=model,
+                                group=mesh["replicate"].get_group(), strategy="cpdp", period=4)
+
 The wrapper is a complete ``torch.optim.Optimizer``: torch's ``__init__`` runs (step pre/post
 hooks, global step hooks, state-dict hooks, LR schedulers' step tracking), and
 ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's own objects. Its state
@@ -28,7 +40,6 @@ dict is torch's standard one (the inner optimizer's ``{"state", "param_groups"}`
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -37,57 +48,33 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.profiler import record_function
 
-from cpdpkit.errors import ConfigError, DistributedSetupError
+from cpdpkit.errors import ConfigError
 from cpdpkit.labels import SYNC
-from cpdpkit.sync._comm import Communicator, group_ranks
+from cpdpkit.sync._comm import Communicator
 from cpdpkit.sync._flat import FlatParameters
 from cpdpkit.sync._grad_buckets import GradientBuckets
 from cpdpkit.sync._reconcile import STATS_SLOTS, Reconciler
 from cpdpkit.sync._replicas import check_replicas
+from cpdpkit.sync._sharded import ShardedParameters, ShardGradientSync, as_param_layout, is_sharded
 from cpdpkit.sync._state_policies import sync_buffers
+from cpdpkit.sync._validate import (
+    STATE_VERSION,
+    check_params_in_model,
+    is_executor,
+    resolve_config,
+    split_checkpoint,
+    validate_executor,
+    validate_groups,
+    validate_objects,
+    validate_sharded,
+)
 from cpdpkit.sync.config import StepKind, SyncConfig
 from cpdpkit.sync.stats import SyncStats
+from cpdpkit.topology import Topology
 
 __all__ = ["PeriodicSyncOptimizer"]
-
-# 1: {"inner": <inner state dict>, "cpdpkit": ...}; 2: torch's standard dict plus "cpdpkit";
-# 3: "cpdpkit" also holds the schedule, the controller's decisions and a reconciliation in flight.
-_STATE_VERSION = 3
-_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(SyncConfig))
-
-
-def _resolve_config(config: SyncConfig | None, options: dict[str, Any]) -> SyncConfig:
-    """``config=`` or keyword options named like SyncConfig's fields, never both: the defaults
-    live only in SyncConfig, and refusing the mix leaves no doubt about which value wins."""
-    unknown = [name for name in options if name not in _CONFIG_FIELDS]
-    if unknown:
-        raise ConfigError(
-            f"unknown keyword {', '.join(map(repr, unknown))} for PeriodicSyncOptimizer: "
-            f"known SyncConfig fields are {', '.join(_CONFIG_FIELDS)}"
-        )
-    if config is None:
-        return SyncConfig(**options)
-    if not isinstance(config, SyncConfig):
-        raise TypeError(
-            f"config must be a SyncConfig, got {type(config).__name__}: "
-            "pass config=cpdpkit.sync.SyncConfig(...)"
-        )
-    if options:
-        given = ", ".join(f"{name}=..." for name in options)
-        raise ConfigError(
-            f"config= given together with {', '.join(options)}: pass "
-            f"config=dataclasses.replace(config, {given}), or the keywords without config="
-        )
-    return config
-
-
-def _check_group(group: Any, what: str) -> None:
-    if group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
-        raise DistributedSetupError(
-            f"this rank ({dist.get_rank()}) is not a member of the {what} passed to "
-            f"PeriodicSyncOptimizer: pass a group created with this rank in its ranks"
-        )
 
 
 class PeriodicSyncOptimizer(torch.optim.Optimizer):
@@ -96,8 +83,10 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
     Args:
         optimizer: the inner optimizer (any ``torch.optim.Optimizer`` with all its param
             groups added; LR schedulers attach to it or to this wrapper).
-        model: the module whose parameters the optimizer trains; a plain ``nn.Module`` or a
-            ``DistributedDataParallel``.
+        model: the module whose parameters the optimizer trains: a plain ``nn.Module``, a
+            ``DistributedDataParallel``, an FSDP2 module sharded inside one replica (a site), or a
+            ``TwoStageExecutor`` on one site's sub-mesh (then ``optimizer`` is ``executor.optimizer``
+            and the loop calls this wrapper's ``zero_grad``/``step``, not the executor's).
         config: a :class:`~cpdpkit.sync.SyncConfig` (strategy, period or ``"auto"``, warm-up,
             SlowMo's β and α, buffer and optimizer-state policies, bucket size, timeout,
             ``overlap_steps``, the controller's ``target_exposed_frac``, ``k_min``, ``k_max``,
@@ -113,6 +102,9 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
             ``group``; the ranks with this rank's index in other nodes is enough).
         anchor_dtype: dtype of SlowMo's anchor and momentum (required as ``torch.float32``
             when parameters are fp16/bf16).
+        topology: optional :class:`~cpdpkit.topology.Topology` (placed): with a sharded model or an
+            executor, a shard group spanning sites or a replicate group holding two ranks of one site
+            is refused before the first collective.
 
     ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's objects;
     :meth:`state_dict` is the inner's standard dict plus a ``"cpdpkit"`` entry.
@@ -128,19 +120,29 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         fast_group: dist.ProcessGroup | None = None,
         slow_group: dist.ProcessGroup | None = None,
         anchor_dtype: torch.dtype | None = None,
+        topology: Topology | None = None,
         **options: Any,
     ) -> None:
         # Validation happens before any collective: a user mistake must not hang a peer.
-        self.config = _resolve_config(config, options)
-        self._validate_objects(optimizer, model, anchor_dtype)
-        self._validate_groups(model, group, fast_group, slow_group)
+        self.config = resolve_config(config, options)
+        self._executor = model if is_executor(model) else None
+        validate_objects(optimizer, model, anchor_dtype, wrapper=PeriodicSyncOptimizer)
+        validate_groups(self.config, model, group, fast_group, slow_group)
+        self._params = [p for g in optimizer.param_groups for p in g["params"]]
+        self._sharded = is_sharded(self._params)
+        if self._sharded:
+            validate_sharded(self.config, model, self._params, group, fast_group, topology)
+        if self._executor is not None:
+            validate_executor(self.config, self._executor, optimizer, group, fast_group, topology)
+        else:  # an executor's own optimizer (checked) holds exactly its slices
+            check_params_in_model(optimizer, model)
         self._init_torch_optimizer(optimizer)
         self.model = model
+        self._module: nn.Module = model.model if self._executor is not None else model
         self._ddp = model if isinstance(model, DistributedDataParallel) else None
-        self._params = [p for g in optimizer.param_groups for p in g["params"]]
-        self._check_params_in_model(model)
-        self._flat = FlatParameters(optimizer.param_groups, anchor_dtype=anchor_dtype,
-                                    stats_slots=STATS_SLOTS if self.config.auto else 0)
+        layout = ShardedParameters if self._sharded else FlatParameters
+        self._flat = layout(optimizer.param_groups, anchor_dtype=anchor_dtype,
+                            stats_slots=STATS_SLOTS if self.config.auto else 0)
         if self._flat.low_precision_params() and self.config.uses_slowmo and anchor_dtype is None:
             raise ConfigError(
                 f"parameters are {self._flat.low_precision_params()[0]}: SlowMo's anchor and "
@@ -155,80 +157,21 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         self._extra_bytes = 0
         self._no_sync = False
         self._buckets: GradientBuckets | None = None
+        self._shard_grads: ShardGradientSync | None = None
         self._reconciler = Reconciler(
             self.config, self._flat, slow=self._slow, world=self._comm, optimizer=self.optim,
             params=self._params, buffers=self._buffers,
             blocked_s=lambda: sum(c.blocked_s for c in self._communicators()),
             on_reconciled=self._check_reconciled if self.config.check_replicas else None,
         )
-        names = {id(p): name for name, p in model.named_parameters()}
+        names = {id(p): name for name, p in self._module.named_parameters()}
         self._param_names = [names.get(id(p), f"#{i}") for i, p in enumerate(self._flat_params())]
+        self._after_ran = False
+        if self._executor is not None:  # last: its refusals come before any change to the executor
+            self._executor.attach_periodic_sync(self)
         self._start()
 
     # -- construction ----------------------------------------------------------------------
-    @staticmethod
-    def _validate_objects(optimizer: Any, model: Any, anchor_dtype: Any) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}: "
-                "wrap e.g. torch.optim.SGD(model.parameters(), lr=0.1)"
-            )
-        if isinstance(optimizer, PeriodicSyncOptimizer):
-            raise ConfigError("optimizer is already a PeriodicSyncOptimizer: wrap the inner one once")
-        if not isinstance(model, nn.Module):
-            raise TypeError(
-                f"model must be an nn.Module, got {type(model).__name__}: pass model=<your module>"
-            )
-        if anchor_dtype is not None and not (
-            isinstance(anchor_dtype, torch.dtype) and anchor_dtype.is_floating_point
-        ):
-            raise ConfigError(
-                f"anchor_dtype must be a floating torch.dtype, got {anchor_dtype!r}: "
-                "pass anchor_dtype=torch.float32"
-            )
-        if not dist.is_available() or not dist.is_initialized():
-            raise DistributedSetupError(
-                "torch.distributed is not initialised: call cpdpkit.init_distributed() or "
-                "torch.distributed.init_process_group() before creating PeriodicSyncOptimizer"
-            )
-
-    def _validate_groups(self, model: nn.Module, group: Any, fast: Any, slow: Any) -> None:
-        _check_group(group, "group")
-        if fast is not None:
-            _check_group(fast, "fast_group")
-            if isinstance(model, DistributedDataParallel):
-                raise ConfigError(
-                    "fast_group with a DDP-wrapped model: DDP already all-reduces over its own "
-                    "group; pass the plain module and let fast_group do the intra-node sync"
-                )
-        if slow is not None:
-            if fast is None:
-                raise ConfigError("slow_group is set without fast_group: pass both, or use group=")
-            _check_group(slow, "slow_group")
-        if fast is not None and self.config.auto:
-            raise ConfigError(
-                "period='auto' with fast_group: each slow group would choose its own K while "
-                "reconciliation steps all-reduce gradients over the whole group; pass a fixed "
-                "period, or group= without fast_group"
-            )
-        if isinstance(model, DistributedDataParallel):
-            ddp_ranks = group_ranks(model.process_group)
-            if ddp_ranks != group_ranks(group):
-                raise ConfigError(
-                    f"the DDP model's process group has ranks {ddp_ranks} but group has "
-                    f"{group_ranks(group)}: pass group=<the DDP model's process group>"
-                )
-
-    def _check_params_in_model(self, model: nn.Module) -> None:
-        in_model = {id(p) for p in model.parameters()}
-        for gi, g in enumerate(self.optim.param_groups):
-            for pi, p in enumerate(g["params"]):
-                if id(p) not in in_model:
-                    raise ConfigError(
-                        f"parameter {pi} of param group {gi} (shape {tuple(p.shape)}) is not a "
-                        "parameter of model: build the optimizer from model.parameters()"
-                    )
-
     def _init_torch_optimizer(self, inner: torch.optim.Optimizer) -> None:
         """Run torch's ``Optimizer.__init__``, then take the inner optimizer's objects."""
         # torch's __init__ creates the hook registries and wraps ``step`` (step hooks, global
@@ -270,14 +213,20 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         ]
         self._comm.check_agreement(fields)
         with self._comm.blocking(SYNC.BROADCAST_INIT):
-            self._comm.broadcast_(self._flat.flats, self.config.bucket_cap_bytes)
+            values = self._flat.pack()
+            self._comm.broadcast_(values, self.config.bucket_cap_bytes)
+            self._flat.unpack(values)
             if self._buffers():
                 sync_buffers(self._comm, self._buffers(), "broadcast", self.config.bucket_cap_bytes)
         if self._keeps_anchor:
             self._flat.capture_anchor()
         for comm in self._communicators():
             comm.reset_counters()  # stats count from the first step, not construction
-        if self._ddp is None:
+        if self._executor is not None:
+            self._executor.publish_slices()  # the broadcast slices into every rank's model
+        elif self._sharded:
+            self._shard_grads = ShardGradientSync(self.model, target=self._gradient_target)
+        elif self._ddp is None:
             trained = {id(q) for q in self._params}
             self._buckets = GradientBuckets(
                 [p for p in self.model.parameters() if id(p) in trained],
@@ -294,10 +243,13 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
 
     def _buffers(self) -> list[torch.Tensor]:
         # Listed anew each time: a module may re-assign a buffer rather than update it in place.
-        return list(self.model.buffers())
+        return list(self._module.buffers())
 
     # -- the torch.optim.Optimizer surface ----------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._executor is not None:  # the model's gradients and any reduced slices too
+            self._executor.zero_grad()
+            return
         self.optim.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -346,6 +298,10 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
             self._ddp.require_backward_grad_sync = syncs
         if self._buckets is not None:
             self._buckets.enabled = not self._no_sync
+        if self._sharded:  # FSDP2's switch: no reduce-scatter (and so no hook) inside no_sync()
+            self.model.set_requires_gradient_sync(not self._no_sync)
+        if self._executor is not None:
+            self._executor.set_requires_gradient_sync(not self._no_sync)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -375,11 +331,26 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         target = self._gradient_target()
         if self._buckets is not None and target is not None:
             self._buckets.finish(target)
+        elif self._shard_grads is not None:
+            self._shard_grads.finish()
         elif self._ddp is not None and syncs:  # DDP's reducer sent them; count its payload
             self._extra_bytes += self._flat.nbytes
         if syncs:
             self._counts["gradient_syncs"] += 1
-        self.optim.step()
+        if self._executor is not None:
+            self._after_ran = False
+            self._executor.step()  # calls after_updates() itself when defers_exchange() said so
+            if not self._after_ran:
+                self._after_inner_step(n, kind)
+        else:
+            self.optim.step()
+            self._after_inner_step(n, kind)
+        self._step = n
+        self._arm_next_step()
+        return loss
+
+    def _after_inner_step(self, n: int, kind: StepKind) -> None:
+        """What step ``n`` does after the inner update: reconcile, apply an average in flight, buffers."""
         if kind is StepKind.RECONCILE:
             self._counts["reconciliations"] += 1
             if self.config.overlap_steps:
@@ -389,7 +360,7 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         elif kind in (StepKind.DDP, StepKind.WARMUP):
             sync_buffers(self._comm, self._buffers(), self.config.buffers, self.config.bucket_cap_bytes)
             if kind is StepKind.DDP and self.config.check_replicas:  # ddp's replicas are identical after every step
-                check_replicas(self._comm, self._named_values(self._flat.flats), when=f"after step {n}")
+                check_replicas(self._comm, self._named_values(self._flat.pack()), when=f"after step {n}")
         else:
             self._counts["local_steps"] += 1
             self._reconciler.apply(n, force=False)  # an overlapped average due at this step
@@ -397,14 +368,40 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
             # The periodic phase starts here: SlowMo's anchor is the post-warm-up parameters.
             self._flat.capture_anchor()
             self._reconciler.mark(n)
-        self._step = n
-        self._arm_next_step()
-        return loss
+
+    # -- over a slice executor (TwoStageExecutor): the hooks it calls ----------------------------------
+    def defers_exchange(self) -> bool:
+        """Whether the coming step changes the executor's slices after their update (a reconciliation, or
+        an overlapped average due): then the executor exchanges them only after :meth:`after_updates`."""
+        n = self._step + 1
+        if self._reconciler.schedule.kind(n) is StepKind.RECONCILE:
+            return True
+        flight = self._reconciler.in_flight
+        return flight is not None and n >= flight.apply_step
+
+    def after_updates(self) -> None:
+        """The executor's slices are updated and not yet exchanged: run this step's periodic work."""
+        n = self._step + 1
+        self._after_inner_step(n, self._reconciler.schedule.kind(n))
+        self._after_ran = True
+
+    def reduce_gradient(self, grad: torch.Tensor) -> None:
+        """An executor's slice gradient, reduced inside its mesh: the mean across replicas on sync steps."""
+        comm = self._gradient_target()
+        if comm is None or self._no_sync:
+            return
+        with record_function(SYNC.GRAD_ALLREDUCE.label):
+            work = comm.all_reduce_avg_async(grad)
+        with comm.blocking(SYNC.GRAD_WAIT):
+            comm.wait(work)
 
     def flush(self) -> None:
         """Apply a reconciliation still in flight (``overlap_steps >= 1``) now, e.g. at the end
         of training; every rank must call it. Nothing happens when none is in flight."""
+        applied = self._reconciler.in_flight is not None
         self._reconciler.apply(self._step)
+        if applied and self._executor is not None:
+            self._executor.publish_slices()
 
     @torch.no_grad()
     def average_parameters(self) -> None:
@@ -414,7 +411,11 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         self.flush()
         self._flat.ensure_bound()
         with self._comm.blocking(SYNC.PARAM_AVERAGE):
-            self._comm.average_(self._flat.flats, self.config.bucket_cap_bytes)
+            values = self._flat.pack()
+            self._comm.average_(values, self.config.bucket_cap_bytes)
+            self._flat.unpack(values)
+        if self._executor is not None:
+            self._executor.publish_slices()
         sync_buffers(self._comm, self._buffers(), self.config.buffers, self.config.bucket_cap_bytes)
 
     # -- the replica check (check_replicas=True) --------------------------------------------------
@@ -425,8 +426,8 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         """``(name, its slice of values)`` per parameter; ``values`` laid out as the flat segments."""
         out, i = [], 0
         for seg, flat in zip(self._flat.segments, values):
-            for p, off in zip(seg.params, seg.offsets):
-                out.append((self._param_names[i], flat[off : off + p.numel()].view_as(p)))
+            for shape, off in zip(seg.shapes, seg.offsets):
+                out.append((self._param_names[i], flat[off : off + shape.numel()].view(shape)))
                 i += 1
         return out
 
@@ -475,9 +476,12 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
             pre_hook(self)
         # The inner's own state_dict (not torch's generic one on our aliases): its overrides
         # and its own hooks must shape the standard part.
-        state_dict = self.optim.state_dict()
+        if self._executor is not None:
+            state_dict = self._executor.state_dict(include_model=False)
+        else:
+            state_dict = self.optim.state_dict()
         state_dict["cpdpkit"] = {
-            "version": _STATE_VERSION,
+            "version": STATE_VERSION,
             "config": self.config.to_dict(),
             "step": self._step,
             "counts": dict(self._counts),
@@ -502,8 +506,13 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        own, inner_state = self._split_checkpoint(state_dict)
-        self.optim.load_state_dict(inner_state)
+        own, inner_state = split_checkpoint(state_dict, self.config, self._flat.layout())
+        if self._sharded:  # state saved as local shards (cpdpkit's Checkpointer) back to DTensors
+            inner_state = as_param_layout(inner_state, self._params)
+        if self._executor is not None:  # its optimizer state, then its slices from the (restored) model
+            self._executor.load_state_dict(inner_state)
+        else:
+            self.optim.load_state_dict(inner_state)
         self._alias_inner()
         self._flat.ensure_bound()
         self._flat.load_slowmo_state(own)
@@ -515,40 +524,3 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         self._arm_next_step()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
-
-    def _split_checkpoint(self, state_dict: dict[str, Any]) -> tuple[dict, dict]:
-        """(the wrapper's own state, the inner's standard dict), after checking they fit."""
-        if "cpdpkit" not in state_dict:
-            raise ConfigError(
-                "state_dict has no 'cpdpkit' key: pass what PeriodicSyncOptimizer.state_dict() "
-                "returned (to load the inner optimizer alone, use opt.optim.load_state_dict)"
-            )
-        own = state_dict["cpdpkit"]
-        version = own.get("version")
-        if version == 1:  # written before the wrapper used torch's standard layout
-            inner_state = state_dict["inner"]
-        elif version in (2, _STATE_VERSION):
-            inner_state = {k: v for k, v in state_dict.items() if k != "cpdpkit"}
-        else:
-            raise ConfigError(
-                f"checkpoint has cpdpkit state version {version!r}, this cpdpkit reads 1 to "
-                f"{_STATE_VERSION}: load it with the cpdpkit version that saved it"
-            )
-        saved = SyncConfig.from_dict(own["config"])
-        if saved.strategy != self.config.strategy:
-            raise ConfigError(
-                f"checkpoint was saved with strategy {saved.strategy!r}, this optimizer uses "
-                f"{self.config.strategy!r}: construct it with strategy={saved.strategy!r}"
-            )
-        if own.get("in_flight") is not None and not self.config.overlap_steps:
-            raise ConfigError(
-                f"checkpoint holds a reconciliation in flight (saved with overlap_steps="
-                f"{saved.overlap_steps}), this optimizer reconciles blocking: construct it with "
-                f"overlap_steps={saved.overlap_steps}"
-            )
-        if own["layout"] != self._flat.layout():
-            raise ConfigError(
-                "checkpoint parameter layout differs from this optimizer's: load a checkpoint "
-                "saved with the same model and param groups"
-            )
-        return own, inner_state

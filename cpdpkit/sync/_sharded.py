@@ -1,0 +1,241 @@
+"""PeriodicSyncOptimizer over a model FSDP2 shards inside each replica (CPDP across sites, FSDP inside).
+
+The layout: FSDP2 shards the model over the *shard group* (a site: ``fully_shard(module,
+mesh=mesh["shard"])``) and does its all-gathers and reduce-scatters there on every step; the
+optimizer's ``group`` is the *replicate group* (one rank per site, the ranks holding the same shard
+index). Everything the optimizer sends crosses only that group, and only this rank's shard of it:
+
+* **Gradients** (:class:`ShardGradientSync`): on a step that synchronises gradients (warm-up, and
+  CPDP's reconciliation), FSDP2's official ``set_all_reduce_hook`` hands each unit's reduce-scatter
+  output (the site-averaged gradient shard) to an all-reduce ``AVG`` over the replicate group, what
+  FSDP2's own HSDP does after its reduce-scatter, so the numbers equal HSDP's bit for bit. FSDP2
+  makes the gradient a view of that output; once a step has proved it (the storage is checked), the
+  all-reduce is launched asynchronously and waited in ``step()``, so it overlaps the rest of
+  backward. On other steps nothing crosses the replicate group.
+* **Parameters and SlowMo** (:class:`ShardedParameters`): a reconciliation packs this rank's local
+  shards into one buffer per dtype, averages it over the replicate group, runs SlowMo on it and
+  unpacks it. SlowMo's anchor and slow momentum are shard-sized: +2 × this rank's parameter shard
+  (in ``anchor_dtype``), not +2 × the model.
+
+FSDP2's own HSDP (a 2-D mesh) cannot be wrapped: it all-reduces across the replicate axis on every
+step, and in torch 2.13 its ``set_requires_all_reduce(False)`` assigns no gradient at all (only a
+partial reduce-scatter output accumulates). So a parameter with a ``Replicate`` placement is refused
+with the fix, as is a shard group that meets the replicate group at another rank than this one and,
+when a topology is given, a shard group that spans sites or a replicate group holding two ranks of
+one site. All of it is checked before the first collective.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.profiler import record_function
+
+from cpdpkit.errors import ConfigError
+from cpdpkit.labels import SYNC
+from cpdpkit.sync._comm import Communicator, group_ranks
+from cpdpkit.sync._flat import SegmentedParameters, build_segments
+
+__all__ = ["ShardedParameters", "ShardGradientSync", "is_sharded", "check_sharded_model", "check_replica_layout",
+           "as_param_layout"]
+
+_AVG_DTYPES = (torch.float32, torch.bfloat16)  # what FSDP2 all-reduces with ReduceOp.AVG
+_FIX = ("shard the model over the site only: fully_shard(module, mesh=mesh['shard']) on a mesh "
+        "init_device_mesh(device, (num_sites, ranks_per_site), mesh_dim_names=('replicate', 'shard')), "
+        "and pass group=mesh['replicate'].get_group()")
+
+
+def _dtensor_type() -> type:
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def is_sharded(params: Sequence[torch.Tensor]) -> bool:
+    """Whether any parameter is a DTensor (FSDP2 shards it); mixing is refused by :func:`check_sharded_model`."""
+    dtensor = _dtensor_type()
+    return any(isinstance(p, dtensor) for p in params)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard itself (under no_grad ``to_local`` returns the very tensor)."""
+    with torch.no_grad():
+        return p.to_local()
+
+
+def check_sharded_model(model: nn.Module, params: Sequence[torch.Tensor], group: Any,
+                        topology: Any = None) -> list[int]:
+    """Refuse a model not sharded the way the groups say (module docstring); the shard group's ranks."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import Shard
+
+    dtensor = _dtensor_type()
+    plain = [i for i, p in enumerate(params) if not isinstance(p, dtensor)]
+    if plain:
+        raise ConfigError(f"parameter {plain[0]} of the optimizer is a plain tensor while others are FSDP2 DTensors: "
+                          "fully_shard the root module too, so that every parameter is sharded")
+    if not isinstance(model, FSDPModule):
+        raise ConfigError(f"model ({type(model).__name__}) holds DTensor parameters but is not an FSDP2 module: "
+                          "pass the root module you called fully_shard on")
+    meshes = {tuple(group_ranks(p.device_mesh.get_group(0))) if p.device_mesh.ndim == 1 else None for p in params}
+    for p in params:
+        if p.device_mesh.ndim != 1 or not all(isinstance(pl, Shard) for pl in p.placements):
+            names = p.device_mesh.mesh_dim_names
+            raise ConfigError(f"model is sharded with placements {tuple(p.placements)} over mesh dims {names}: FSDP2's "
+                              "HSDP all-reduces gradients across its replicate dim on every step, which the periodic "
+                              f"sync replaces; {_FIX}")
+    if len(meshes) != 1:
+        raise ConfigError(f"model's parameters are sharded over {len(meshes)} different groups: {_FIX}")
+    shard_ranks = list(next(iter(meshes)))  # type: ignore[arg-type]
+    check_replica_layout(shard_ranks, group, topology, what="model is sharded", fix=_FIX)
+    return shard_ranks
+
+
+def check_replica_layout(inner_ranks: list[int], group: Any, topology: Any, *, what: str, fix: str) -> None:
+    """``inner_ranks`` (one replica: a shard group, an executor's mesh) and ``group`` (the replicate group)
+    must meet only at this rank; with a topology of several sites the replica lies in one site and the
+    replicate group holds one rank per site."""
+    replicate_ranks = group_ranks(group)
+    me = dist.get_rank()
+    shared = sorted(set(inner_ranks) & set(replicate_ranks))
+    if shared != [me]:
+        raise ConfigError(f"{what} over ranks {inner_ranks}, which share ranks {shared} with group "
+                          f"{replicate_ranks}: the shard group and the replicate group must meet only at this rank "
+                          f"({me}); {fix}")
+    if topology is not None and topology.num_sites and topology.num_sites > 1:
+        _check_sites(topology, inner_ranks, replicate_ranks, what, fix)
+
+
+def _check_sites(topology: Any, inner_ranks: list[int], replicate_ranks: list[int], what: str, fix: str) -> None:
+    sites = sorted({topology.site_of(r) for r in inner_ranks})
+    if len(sites) > 1:
+        raise ConfigError(f"{what} over ranks {inner_ranks}, which span sites {sites} of topology "
+                          f"{topology.name!r}: FSDP2 would cross the WAN on every step; {fix}")
+    seen: dict[int, int] = {}
+    for r in replicate_ranks:
+        site = topology.site_of(r)
+        if site in seen:
+            raise ConfigError(f"group {replicate_ranks} (the replicate group) holds ranks {seen[site]} and {r} of site "
+                              f"{site} of topology {topology.name!r}: it must hold one rank per site; {fix}")
+        seen[site] = r
+
+
+class ShardedParameters(SegmentedParameters):
+    """This rank's local shards as segments (module docstring); packing copies, FSDP2 owns the storage."""
+
+    def __init__(self, param_groups: Sequence[dict], *, anchor_dtype: torch.dtype | None,
+                 stats_slots: int = 0) -> None:
+        super().__init__(build_segments(param_groups, lambda p: _local(p).shape), anchor_dtype=anchor_dtype,
+                         stats_slots=stats_slots)
+
+    def _locals(self, seg: Any) -> list[torch.Tensor]:
+        # fetched anew: FSDP2 may re-create a local tensor (load_state_dict(assign=True), lazy init)
+        return [_local(p) for p in seg.params]
+
+    @torch.no_grad()
+    def pack(self, *, slots: bool = False) -> list[torch.Tensor]:
+        out = []
+        for i, seg in enumerate(self.segments):
+            buffer = torch.empty(seg.numel + self._extra(i, slots), dtype=seg.dtype, device=seg.device)
+            for local, off in zip(self._locals(seg), seg.offsets):
+                buffer[off : off + local.numel()].copy_(local.reshape(-1))
+            out.append(buffer)
+        return out
+
+    def snapshot(self, *, slots: bool = False) -> list[torch.Tensor]:
+        return self.pack(slots=slots)  # already a copy the caller owns
+
+    @torch.no_grad()
+    def unpack(self, values: Sequence[torch.Tensor]) -> None:
+        for seg, v in zip(self.segments, values):
+            for local, off in zip(self._locals(seg), seg.offsets):
+                local.copy_(v[off : off + local.numel()].view_as(local))
+
+
+def as_param_layout(inner_state: dict[str, Any], params: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """``inner_state`` with plain tensors shaped like a DTensor parameter's local shard wrapped back as DTensors.
+
+    cpdpkit's Checkpointer saves a DTensor as its local shard; torch's optimizers need state laid out
+    like the parameter (0-d entries such as Adam's ``step`` stay plain, as torch keeps them)."""
+    from torch.distributed.tensor import DTensor
+
+    state = dict(inner_state.get("state", {}))
+    for index, entry in list(state.items()):
+        p = params[int(index)] if int(index) < len(params) else None
+        if not isinstance(p, DTensor):
+            continue
+        local_shape = _local(p).shape
+        wrapped = {}
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() > 0 \
+                    and value.shape == local_shape:
+                value = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False,
+                                           shape=p.shape, stride=p.stride())
+            wrapped[key] = value
+        state[index] = wrapped
+    return {**inner_state, "state": state}
+
+
+class ShardGradientSync:
+    """All-reduce FSDP2's reduce-scatter outputs across the replicate group on gradient-sync steps.
+
+    ``target()`` returns the communicator of the coming step's gradient sync, or ``None`` on a step
+    that does not synchronise gradients. :meth:`finish` (from ``step()``) waits for what was launched.
+    """
+
+    def __init__(self, model: nn.Module, *, target: Callable[[], Communicator | None]) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        self._target = target
+        self._pending: list[tuple[Communicator, Any]] = []
+        self._checks: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+        self._async_ok = False  # set once a step proved FSDP2's gradients are views of the hook's tensor
+        claimed: set[int] = set()
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        for module in reversed(units):  # nested units first: a unit owns what no nested unit claimed
+            own = [p for p in module.parameters() if id(p) not in claimed]
+            claimed.update(id(p) for p in own)
+            if not own:
+                continue
+            try:
+                module.set_all_reduce_hook(functools.partial(self._on_reduced, own))
+            except ValueError as exc:
+                raise ConfigError(f"FSDP2 refused the gradient hook on {type(module).__name__} ({exc}): shard each "
+                                  "module over one mesh (no shard_placement_fn with per-parameter meshes)") from exc
+
+    @torch.no_grad()
+    def _on_reduced(self, own: list[torch.Tensor], reduce_output: torch.Tensor) -> None:
+        comm = self._target()
+        if comm is None:
+            return
+        with record_function(SYNC.GRAD_ALLREDUCE.label):
+            if reduce_output.dtype in _AVG_DTYPES:
+                work = comm.all_reduce_avg_async(reduce_output)
+            else:  # FSDP2 pre/post-divides such dtypes itself; the replicate mean by dividing first
+                reduce_output.div_(comm.size)
+                work = comm.all_reduce_sum_async(reduce_output)
+        deferred = self._async_ok and reduce_output.dtype == own[0].dtype and all(p.grad is None for p in own)
+        if deferred:
+            self._pending.append((comm, work))
+            return
+        with comm.blocking(SYNC.GRAD_WAIT):
+            comm.wait(work)
+        if not self._async_ok:
+            self._checks.append((reduce_output, own))
+
+    def finish(self) -> None:
+        """Wait for the launched all-reduces; after the first synced step, check the gradients alias them."""
+        pending, self._pending = self._pending, []
+        for comm, work in pending:
+            with comm.blocking(SYNC.GRAD_WAIT):
+                comm.wait(work)
+        if self._checks:
+            checks, self._checks = self._checks, []
+            self._async_ok = all(
+                p.grad is not None and _local(p.grad).untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+                for out, own in checks for p in own)
