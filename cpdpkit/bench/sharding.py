@@ -45,8 +45,6 @@ on it against a step's tens of ms of compute), so the strategies' differences sh
 from __future__ import annotations
 
 import dataclasses
-import json
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -338,39 +336,17 @@ def run_sharding_bench(config: ShardingBenchConfig, work_dir: Path,
     ``unsupported`` without a launch.
     """
     from cpdpkit.bench import sharding_worker as worker
-    from cpdpkit.launch import LaunchConfig, launch
+    from cpdpkit.bench._jobs import run_jobs
 
     prep = prepare(config)
-    work_dir.mkdir(parents=True, exist_ok=True)
-    topo_path = work_dir / "topology.toml"
-    topo_path.write_text(prep.topology.to_toml())
-    results = []
-    for strategy in config.strategies:
-        emit(("start", strategy))
-        if (reason := unsupported_reason(strategy, config)) is not None:
-            result = {"strategy": strategy, "status": "unsupported", "reason": reason, "launch_s": 0.0}
-            results.append(result)
-            emit(("done", strategy, result))
-            continue
-        run_dir = work_dir / strategy
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / worker.RESULT_FILE).unlink(missing_ok=True)
-        spec = {**config.to_dict(), "strategy": strategy, "plan": prep.plan_for(strategy).to_dict(),
+
+    def spec_for(strategy: str) -> dict[str, Any]:
+        return {**config.to_dict(), "strategy": strategy, "plan": prep.plan_for(strategy).to_dict(),
                 "ranks_per_node": prep.ranks_per_node, "num_replicas": prep.num_replicas}
-        (run_dir / worker.SPEC_FILE).write_text(json.dumps(spec, indent=1))
-        t0 = time.perf_counter()
-        res = launch(LaunchConfig(nproc_per_node=config.world_size, topology=str(topo_path),
-                                  log_dir=str(run_dir / "logs")), worker.__file__, [str(run_dir)])
-        launch_s = time.perf_counter() - t0
-        path = run_dir / worker.RESULT_FILE
-        if res.ok and path.exists():
-            result = json.loads(path.read_text())
-        else:
-            result = {"strategy": strategy, "status": "failed",
-                      "reason": f"rank {res.failed_rank}: {res.error}" if not res.ok else "no result written"}
-        result["launch_s"] = launch_s
-        results.append(result)
-        emit(("done", strategy, result))
+
+    results = run_jobs(config.strategies, work_dir=work_dir, topology=prep.topology, world_size=config.world_size,
+                       worker_file=worker.__file__, spec_for=spec_for, emit=emit,
+                       unsupported=lambda strategy: unsupported_reason(strategy, config))
     return ShardingReport(config=_report_config(config, prep), results=tuple(results),
                           goals=_goals(results, num_replicas=prep.num_replicas, ranks_per_node=prep.ranks_per_node,
                                        allreduce_wire_bytes=prep.allreduce_wire_bytes()))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
 
     from cpdpkit.bench.sharding import ShardingBenchConfig, ShardingReport
 
-__all__ = ["run_sharding_suite", "sharding_config"]
+__all__ = ["run_sharding_suite", "sharding_config", "run_and_print", "fill_table"]
 
 _QUICK_MODEL = "gpt-micro"
 _QUICK_MAX_STEPS = 4
@@ -46,6 +47,17 @@ def run_sharding_suite(config: ShardingBenchConfig, *, json_out: str | None, wor
     from cpdpkit.bench.sharding import run_sharding_bench
 
     prepare_output(json_out, "--json")  # a bad path fails now, not after every run
+    report = run_and_print(lambda work, emit: run_sharding_bench(config, work, emit), work_dir=work_dir,
+                           prefix="cpdpkit-bench-sharding-", table=_table, goal_lines=goal_lines)
+    if json_out:
+        Path(json_out).write_text(json.dumps(report.to_dict(), indent=1))
+        out_console.print(f"wrote {json_out}")
+
+
+def run_and_print(run: Callable[[Path, Callable[[tuple[Any, ...]], None]], Any], *, work_dir: str | None, prefix: str,
+                  table: Callable[[Any], Table], goal_lines: Callable[[dict[str, Any]], list[str]]) -> Any:
+    """Run a one-job-per-strategy suite in ``work_dir`` (else a temp dir) with a line per finished job; print its
+    table, its failures and its goals; return its report."""
 
     def emit(event: tuple[Any, ...]) -> None:
         if event[0] == "done":
@@ -53,17 +65,15 @@ def run_sharding_suite(config: ShardingBenchConfig, *, json_out: str | None, wor
             out_console.print(f"{event[1]}: {r['status']} in {r['launch_s']:.1f} s"
                               + (f" ({r.get('reason')})" if r["status"] != "ok" else ""))
 
-    with tempfile.TemporaryDirectory(prefix="cpdpkit-bench-sharding-") as tmp:
-        report = run_sharding_bench(config, Path(work_dir or tmp), emit)
-    out_console.print(_table(report))
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        report = run(Path(work_dir or tmp), emit)
+    out_console.print(table(report))
     for r in report.results:
         if r.get("status") != "ok":
             out_console.print(f"{r['strategy']} {r.get('status', 'failed')}: {r.get('reason')}")
     for line in goal_lines(report.goals):
         out_console.print(line)
-    if json_out:
-        Path(json_out).write_text(json.dumps(report.to_dict(), indent=1))
-        out_console.print(f"wrote {json_out}")
+    return report
 
 
 def _f(value: Any, spec: str) -> str:
@@ -91,23 +101,36 @@ def _table(report: ShardingReport) -> Table:
                         + (f", partial mesh {partial['mesh']}" if partial else ""))
     cols = ["strategy", "status", "step ms", "exposed ms/step", *[f"{t} MB/step" for t in tiers],
             "optim state MB/rank", "peak RSS MB", "final loss", *(["stage1 meas/pred"] if stage1 else [])]
-    for col in cols:
-        table.add_column(col, justify="left" if col in ("strategy", "status") else "right", no_wrap=True)
-    for r in report.results:
-        if r.get("status") != "ok":
-            table.add_row(r["strategy"], r.get("status", "failed"), *["-"] * (len(cols) - 2))
-            continue
+
+    def row(r: dict[str, Any]) -> list[str]:
         tb = r["tier_bytes_per_step"]
-        table.add_row(r["strategy"], "ok", _f(r["step_s"] * 1e3, ".1f"), _f(r["exposed_comm_s_per_step"] * 1e3, ".1f"),
-                      *[_f(tb.get(t, 0) / 1e6, ".2f") for t in tiers],
-                      _f(r["optimizer_state_bytes_per_rank"] / 1e6, ".3f"), _f(r["peak_mem_bytes"] / 1e6, ".0f"),
-                      _f(r["final_loss"], ".6f"), *([_stage1(r)] if stage1 else []))
+        return [*_step_cells(r), *[_f(tb.get(t, 0) / 1e6, ".2f") for t in tiers],
+                _f(r["optimizer_state_bytes_per_rank"] / 1e6, ".3f"), _f(r["peak_mem_bytes"] / 1e6, ".0f"),
+                _f(r["final_loss"], ".6f"), *([_stage1(r)] if stage1 else [])]
+
+    fill_table(table, cols, report.results, row)
     table.caption = ("exposed = training thread blocked on communication (the emulated backend's Work.wait(); the "
                      "ZeRO peers also DDP's all-reduce futures); tier MB = bytes sent per rank under the network "
                      "model; peak RSS = ru_maxrss minus RSS before the model was built"
                      + ("; stage1 = exchanges done during backward per step, measured/predicted from this run's "
                         "timings, of all units" if stage1 else ""))
     return table
+
+
+def _step_cells(r: dict[str, Any]) -> list[str]:
+    return [r["strategy"], "ok", _f(r["step_s"] * 1e3, ".1f"), _f(r["exposed_comm_s_per_step"] * 1e3, ".1f")]
+
+
+def fill_table(table: Table, cols: list[str], results: Any, row: Any) -> None:
+    """``cols`` (strategy and status left-aligned, the rest right) and a row per result: ``row(r)`` for one that
+    ran ok (its cells start with :func:`_step_cells`), dashes after the status for the others."""
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("strategy", "status") else "right", no_wrap=True)
+    for r in results:
+        if r.get("status") != "ok":
+            table.add_row(r["strategy"], r.get("status", "failed"), *["-"] * (len(cols) - 2))
+        else:
+            table.add_row(*row(r))
 
 
 def _mark(ok: bool | None) -> str:

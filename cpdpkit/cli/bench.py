@@ -2,6 +2,8 @@
 
 ``cpdpkit bench [OPTIONS]`` runs the main job: every synchronisation strategy on one workload.
 ``cpdpkit bench sharding [OPTIONS]`` runs the sharding suite (:mod:`cpdpkit.cli._bench_sharding`).
+``cpdpkit bench hybrid [OPTIONS]`` runs CPDP over HSDP against global DDP and HSDP across sites
+(:mod:`cpdpkit.cli._bench_hybrid`).
 ``--suite sharding`` on the main job still works; it prints a one-line deprecation notice.
 
 Options whose default depends on other options (``--quick``, the suite) default to None here and
@@ -23,6 +25,7 @@ from rich.markup import escape
 from typer.core import TyperGroup
 
 from cpdpkit.cli._app import app, err_console, out_console, prepare_output
+from cpdpkit.cli._bench_hybrid import hybrid_config, run_hybrid_suite
 from cpdpkit.cli._bench_plot import plot_accuracy_vs_wall
 from cpdpkit.cli._bench_sharding import run_sharding_suite, sharding_config
 from cpdpkit.errors import ConfigError
@@ -33,7 +36,7 @@ if TYPE_CHECKING:
     from cpdpkit.bench.config import BenchConfig
     from cpdpkit.bench.report import BenchReport, StrategyResult
 
-__all__ = ["bench_app", "bench", "sharding"]
+__all__ = ["bench_app", "bench", "sharding", "hybrid"]
 
 _QUICK_STRATEGIES = ("ddp", "localsgd-torch", "cpdp")
 _QUICK_PERIODS = (4,)
@@ -62,7 +65,7 @@ class _BenchGroup(TyperGroup):
 
 bench_app = typer.Typer(
     cls=_BenchGroup, invoke_without_command=True, no_args_is_help=False,
-    short_help="Compare strategies over an emulated network: sync strategies (default) or sharding.",
+    short_help="Compare strategies over an emulated network: sync strategies (default), sharding or hybrid.",
 )
 app.add_typer(bench_app, name="bench")
 
@@ -182,7 +185,7 @@ def bench(
     """Train one workload under ddp, localsgd-torch, localsgd, slowmo, cpdp, cpdp-overlap and cpdp-auto; compare
     them.
 
-    Other suites are sub-commands: cpdpkit bench sharding --help."""
+    Other suites are sub-commands: cpdpkit bench sharding --help, cpdpkit bench hybrid --help."""
     if ctx.invoked_subcommand is not None:
         return
     sharding_kw = {"steps": steps, "optimizer": optimizer, "memory_budget": memory_budget,
@@ -249,6 +252,40 @@ def sharding(
                              memory_budget=memory_budget, min_unit_bytes=min_unit_bytes, max_grad_norm=max_grad_norm,
                              quick=quick, profile=profile)
     run_sharding_suite(config, json_out=json_out, work_dir=work_dir)
+
+
+@bench_app.command("hybrid")
+def hybrid(
+    strategies: str | None = typer.Option(None, help="Comma-separated subset of ddp-global, hsdp-global, "
+                                             "cpdp-over-hsdp, cpdp-over-hsdp-overlap.", show_default="all four"),
+    model: str | None = typer.Option(None, help="gpt-tiny | gpt-small | gpt-micro.",
+                                        show_default="gpt-micro"),
+    world_size: int | None = typer.Option(None, help="Ranks per run (>= 2 sites of the topology).",
+                                             show_default="4"),
+    topology: str | None = typer.Option(None, help="multisite (2 sites of 2 nodes: IB inside a site, a 16.6 ms, "
+                                           "1 Gbit/s WAN between them), a preset or a TOML file with >= 2 sites.",
+                                        show_default="multisite"),
+    batch_size: int | None = typer.Option(None, help="Sequences per rank per step.", show_default="4"),
+    lr: float | None = typer.Option(None, help="AdamW's learning rate.", show_default="0.003"),
+    steps: int | None = typer.Option(None, help="Timed steps, a multiple of --period, after one period of warm-up "
+                                        "steps.", show_default="24; --quick: one period"),
+    period: int | None = typer.Option(None, help="K of cpdp-over-hsdp: steps between reconciliations across "
+                                         "sites.", show_default="4"),
+    overlap_steps: int | None = typer.Option(None, help="τ of cpdp-over-hsdp-overlap: each parameter average is "
+                                                "applied this many steps after its launch.", show_default="1"),
+    quick: bool = typer.Option(False, "--quick", help="A small smoke run: one period timed (each "
+                                                      "strategy still starts its own ranks)."),
+    profile: str | None = typer.Option(None, "--profile", help="Write traces for every run under DIR."),
+    json_out: str | None = typer.Option(None, "--json", help="Write the results as JSON to FILE."),
+    plot: str | None = typer.Option(None, "--plot", help="Plot every strategy's loss per step to FILE.png."),
+    work_dir: str | None = typer.Option(None, help="Keep per-run folders here (default: a temp dir)."),
+) -> None:
+    """CPDP over HSDP (FSDP2 inside a site, CPDP across sites) against global DDP and global HSDP on a small GPT
+    over an emulated two-site cluster; compare them."""
+    config = hybrid_config(strategies=strategies, model=model, world_size=world_size, topology=topology,
+                           batch_size=batch_size, lr=lr, steps=steps, period=period, overlap_steps=overlap_steps,
+                           quick=quick, profile=profile)
+    run_hybrid_suite(config, json_out=json_out, plot=plot, work_dir=work_dir)
 
 
 # ---- the main job: run, table, --json, --plot -------------------------------------------------------
