@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["run_ranks"]
+__all__ = ["SHARED_TIMEOUT_S", "run_many", "run_ranks", "run_shared", "share_ranks"]
 
 
 def _child(rank: int, world: int, port: int, fn: Callable, kwargs: dict, out: Any) -> None:
@@ -72,3 +72,41 @@ def run_ranks(fn: Callable, world: int, *, timeout_s: float = 120.0, **kwargs: A
     if errors:
         raise AssertionError("distributed run failed: " + "\n".join(errors))
     return [results[r] for r in range(world)]
+
+
+def _many(rank: int, world: int, calls: list[tuple[Callable, dict]]) -> list[Any]:
+    return [fn(rank, world, **kwargs) for fn, kwargs in calls]
+
+
+def run_many(calls: list[tuple[Callable, dict]], world: int, *, timeout_s: float = 120.0) -> list[list[Any]]:
+    """Run several ``(fn, kwargs)`` one after the other on the same ``world`` gloo ranks (one spawn,
+    one process group); returns, per call, the results by rank (as :func:`run_ranks` would)."""
+    by_rank = run_ranks(_many, world, timeout_s=timeout_s, calls=calls)
+    return [[by_rank[r][i] for r in range(world)] for i in range(len(calls))]
+
+
+_SHARED: dict[str, tuple[dict[str, tuple[Callable, dict]], float, int]] = {}
+# The timeout of every test that uses the shared ranks: the first one to ask waits for all of it
+# (the owners' shares add up to less).
+SHARED_TIMEOUT_S = 600
+
+
+def share_ranks(owner: str, calls: dict[str, tuple[Callable, dict]], timeout_s: float, *, order: int = 0) -> None:
+    """Put test module ``owner``'s 2-rank calls (``name: (fn, kwargs)``, run as :func:`run_ranks` would)
+    on the session's one pair of spawned gloo ranks (the ``sync_ranks`` fixture of tests/conftest.py),
+    one after the other on one process group. ``timeout_s`` is the owner's share of the timeout; owners
+    run by ``order``, then as registered (a call that leaves its process group unusable goes last).
+    ``owner`` is the module's ``__name__``, optionally with a ``:suffix`` (a module registering twice)."""
+    _SHARED[owner] = (calls, timeout_s, order)
+
+
+def run_shared(modules: set[str]) -> dict[str, dict[str, list[Any]]]:
+    """Every call registered by the ``modules`` pytest collected, in one 2-rank job: per owner and
+    call name, the results by rank."""
+    shared = sorted(((o, v) for o, v in _SHARED.items() if o.split(":")[0] in modules), key=lambda kv: kv[1][2])
+    flat = [(owner, name, call) for owner, (calls, _t, _o) in shared for name, call in calls.items()]
+    results = run_many([call for _o, _n, call in flat], 2, timeout_s=sum(t for _o, (_c, t, _r) in shared))
+    out: dict[str, dict[str, list[Any]]] = {owner: {} for owner, _v in shared}
+    for (owner, name, _call), result in zip(flat, results):
+        out[owner][name] = result
+    return out

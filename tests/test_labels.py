@@ -67,15 +67,24 @@ def _check_collectives_labelled(events: list[tuple], allowed_foreign: tuple[str,
     return {labels.phase_by_label(e[0]) for e in events if labels.phase_by_label(e[0]) is not None}
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(90)
-def test_every_collective_cpdpkit_issues_is_labelled(tmp_path) -> None:
+def _plan():
     config = PlannerConfig(param_dtype="float32", grad_dtype="float32", optim_state_bytes_per_param=8,
                            min_unit_bytes=1000)
     with torch.device("meta"):
-        plan = plan_sharding(pj.Net(), "wan", world_size=4, config=config)
+        return plan_sharding(pj.Net(), "wan", world_size=4, config=config)
+
+
+# the 4-rank job runs in the session's one spawned group of 4 processes (tests/conftest.py planner_spawn)
+pj.share_spawn(__name__, lambda: [("labels", jobs._entry, 4, (_plan().to_dict(),))], timeout_s=80.0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(pj.SHARED_TIMEOUT_S)  # the first test to ask for planner_spawn waits for all of it
+def test_every_collective_cpdpkit_issues_is_labelled(planner_spawn) -> None:
+    plan = _plan()
     assert plan.mesh.shape == (2, 2) and plan.state_sharding.axis == "replicate"
-    results = jobs.spawn(tmp_path, plan.to_dict())
+    results = planner_spawn[__name__]["labels"]
+    assert len(results) == 4
     for rank, saved in enumerate(results):
         seen = _check_collectives_labelled(saved["sync"], ())
         s = labels.SYNC

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,7 +26,7 @@ import _planner_jobs as pj
 from cpdpkit.planner import PlannerConfig, ShardingPlan, plan_sharding
 from cpdpkit.topology import Tier, Topology
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(pj.SHARED_TIMEOUT_S)]  # planner_spawn: all of it
 
 WORLD = 4
 TWO_NODES = Topology(
@@ -154,11 +153,18 @@ def plans() -> dict[str, ShardingPlan]:
     return {name: _plan(name) for name in PLANS}
 
 
+def _phase(rank: int, world_size: int, out: str, plans: dict[str, dict[str, Any]]) -> None:
+    _entry(rank, out, plans)
+
+
+# the 4-rank job runs in the session's one spawned group of 4 processes (tests/conftest.py planner_spawn)
+pj.share_spawn(__name__, lambda: [("agree", _phase, WORLD, ({name: _plan(name).to_dict() for name in PLANS},))],
+               timeout_s=120.0)
+
+
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory, plans: dict[str, ShardingPlan]) -> list[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("agree")
-    args = (str(out), {name: plan.to_dict() for name, plan in plans.items()})
-    return pj.run_spawned(_entry, args, WORLD, Path(out), timeout_s=180.0)
+def ranks(planner_spawn: dict[str, dict[str, list[Any]]]) -> list[dict[str, Any]]:
+    return planner_spawn[__name__]["agree"]
 
 
 def _expected_direct(rank: int) -> tuple[dict[str, int], dict[str, int]]:

@@ -4,6 +4,7 @@ and over the emulated backend; plus apply_plan's own errors (no process group ne
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -35,27 +36,58 @@ def _check(results, expect):
             assert ("StateShardingNotApplied" in case["warnings"]) == expect[name].get("warns", False), name
 
 
+@functools.cache
+def _plans():
+    return {"2-lan": _plan("lan", 2), "2-wan": _plan("wan", 2, shard_size=1),  # (replicate 2, shard 1): two sites
+            "4-lan": _plan("lan", 4), "4-wan": _plan("wan", 4),
+            # shard_size=2 pins HSDP: since issue 15 the network model prices the 4-rank FSDP group (LAN and WAN)
+            # hierarchically, so on this fast WAN it ties with HSDP and wins on memory
+            "hsdp": _plan(jobs.FAST_WAN, 4, shard_size=2),
+            "hpz": _plan("lan", 4, reshard_after_forward=2)}  # int reshard keeps Shard(0) (FSDP2 limitation)
+
+
+def _phases():
+    """The three jobs (4 gloo ranks, 4 emulated ranks, 2 gloo ranks), each its own process group; they run
+    in the session's one spawned group of 4 processes (tests/conftest.py ``planner_spawn``)."""
+    def cases(*names):
+        return [{"name": n.split("-")[-1], "plan": _plans()[n].to_dict()} for n in names]
+
+    return [("w4gloo", jobs._entry, 4, (cases("4-lan", "4-wan"), False)),
+            ("w4emu", jobs._entry, 4, (cases("hsdp", "hpz"), True)),
+            ("w2gloo", jobs._entry, 2, (cases("2-lan", "2-wan"), False))]
+
+
+jobs.share_spawn(__name__, _phases, timeout_s=150.0)
+
+
+@pytest.fixture(scope="module")
+def plans():
+    return _plans()
+
+
+@pytest.fixture(scope="module")
+def results(planner_spawn):
+    return planner_spawn[__name__]
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(150)
-def test_apply_plan_matches_fsdp2_on_2_gloo_ranks(tmp_path):
-    lan = _plan("lan", 2)
-    wan = _plan("wan", 2, shard_size=1)  # (replicate 2, shard 1) across the two sites
+@pytest.mark.timeout(jobs.SHARED_TIMEOUT_S)  # the first test to ask for planner_spawn waits for all of it
+def test_apply_plan_matches_fsdp2_on_2_gloo_ranks(plans, results):
+    lan, wan = plans["2-lan"], plans["2-wan"]
     assert (lan.mesh.shape, wan.mesh.shape) == ((2,), (2, 1))
-    results = jobs.spawn(2, tmp_path, [{"name": "lan", "plan": lan.to_dict()}, {"name": "wan", "plan": wan.to_dict()}],
-                         emulated=False)
-    assert results[0]["backend"] == "gloo"
+    results = results["w2gloo"]
+    assert len(results) == 2 and results[0]["backend"] == "gloo"
     _check(results, {"lan": {"mesh": (2,), "placements": {"head.weight": "Shard(dim=1)", "out.weight": "Shard(dim=0)"}},
                      "wan": {"mesh": (2, 1), "warns": wan.state_sharding.axis is not None}})
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(150)
-def test_apply_plan_matches_fsdp2_on_4_gloo_ranks(tmp_path):
-    lan = _plan("lan", 4)
-    wan = _plan("wan", 4)
+@pytest.mark.timeout(jobs.SHARED_TIMEOUT_S)
+def test_apply_plan_matches_fsdp2_on_4_gloo_ranks(plans, results):
+    lan, wan = plans["4-lan"], plans["4-wan"]
     assert (lan.mesh.shape, wan.mesh.shape) == ((4,), (2, 2))
-    results = jobs.spawn(4, tmp_path, [{"name": "lan", "plan": lan.to_dict()}, {"name": "wan", "plan": wan.to_dict()}],
-                         emulated=False)
+    results = results["w4gloo"]
+    assert len(results) == 4 and results[0]["backend"] == "gloo"
     _check(results, {
         "lan": {"mesh": (4,), "placements": {"blocks.0.fc1.weight": "Shard(dim=1)", "out.weight": "Shard(dim=0)"}},
         "wan": {"mesh": (2, 2), "placements": {"blocks.0.fc1.weight": "(Replicate(), Shard(dim=0))"},
@@ -64,17 +96,12 @@ def test_apply_plan_matches_fsdp2_on_4_gloo_ranks(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(150)
-def test_apply_plan_matches_fsdp2_over_the_emulated_backend(tmp_path):
-    # shard_size=2 pins HSDP: since issue 15 the network model prices the 4-rank FSDP group (LAN and WAN)
-    # hierarchically, so on this fast WAN it ties with HSDP and wins on memory
-    hsdp = _plan(jobs.FAST_WAN, 4, shard_size=2)
-    hpz = _plan("lan", 4, reshard_after_forward=2)  # int reshard keeps Shard(0) (FSDP2 limitation)
+@pytest.mark.timeout(jobs.SHARED_TIMEOUT_S)
+def test_apply_plan_matches_fsdp2_over_the_emulated_backend(plans, results):
+    hsdp, hpz = plans["hsdp"], plans["hpz"]
     assert {u.reshard_after_forward for u in hpz.units if not u.is_root} == {2}
     assert all(p.dim == 0 for p in hpz.placements if not p.fqn.startswith(("embed", "head", "out")))
-    results = jobs.spawn(4, tmp_path,
-                         [{"name": "hsdp", "plan": hsdp.to_dict()}, {"name": "hpz", "plan": hpz.to_dict()}],
-                         emulated=True)
+    results = results["w4emu"]
     assert results[0]["backend"] == "emu" and results[0]["op_counts"].get("all_gather", 0) > 0
     _check(results, {"hsdp": {"mesh": (2, 2), "warns": hsdp.state_sharding.axis is not None},
                      "hpz": {"mesh": (4,), "placements": {"blocks.0.fc1.weight": "Shard(dim=0)"}}})

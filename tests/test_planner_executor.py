@@ -94,14 +94,49 @@ def check_stats_and_clipping(name, ex, ref_norms, clip):
     return clipped
 
 
-@pytest.fixture(scope="module")
-def gloo_results(tmp_path_factory):
+RESUME_CASES = [{"name": "adamw", "optimizer": "adamw", "k": 2},
+                {"name": "adamw-clip-stateful", "optimizer": "adamw", "max_grad_norm": 0.05, "k": 2, "stateful": True},
+                {"name": "sgd-k1", "optimizer": "sgd", "k": 1}]
+
+
+def _emulated_cases():
+    plan = _plan(pj.FAST_WAN, stage1=False)
+    # a schedule with both stages: the root exchanged first (stage 1: at the end of backward), the blocks in reverse
+    slots = tuple(dataclasses.replace(s, stage=1 if s.unit == "<root>" else 2,
+                                      order={"<root>": 0, "blocks.2-3": 1, "blocks.0-1": 2}[s.unit])
+                  for s in plan.schedule.slots)
+    odd = dataclasses.replace(plan, schedule=dataclasses.replace(plan.schedule, slots=slots))
+    cases = [{"name": "adamw-odd-schedule", "optimizer": "adamw", "plan": odd.to_dict()},
+             {"name": "sgd-clip-slow", "optimizer": "sgd", "max_grad_norm": 1e6, "slow": True, "calibrate": True}]
+    return jobs.with_stage1_schedule(plan, 0.01), cases
+
+
+def _phases():
+    """The module's three 4-rank jobs (gloo cases, emulated cases, DCP resume), each its own process group;
+    they run in the session's one spawned group of 4 processes (tests/conftest.py ``planner_spawn``)."""
     plan = _plan("wan")
-    return plan, jobs.spawn(4, tmp_path_factory.mktemp("executor"), plan.to_dict(), GLOO_CASES, emulated=False)
+    emu_plan, emu_cases = _emulated_cases()
+    return [("w4gloo", jobs._entry, 4, (plan.to_dict(), GLOO_CASES, False)),
+            ("w4emu", jobs._entry, 4, (emu_plan.to_dict(), emu_cases, True)),
+            ("resume4", jobs._resume_entry, 4, (plan.to_dict(), RESUME_CASES))]
+
+
+pj.share_spawn(__name__, _phases, timeout_s=170.0)
+
+
+@pytest.fixture(scope="module")
+def all_results(planner_spawn):
+    return _plan("wan"), planner_spawn[__name__]
+
+
+@pytest.fixture(scope="module")
+def gloo_results(all_results):
+    plan, results = all_results
+    return plan, results["w4gloo"]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(pj.SHARED_TIMEOUT_S)  # the first test to ask for planner_spawn waits for all of it
 def test_executor_matches_hsdp_on_4_gloo_ranks(gloo_results):
     plan, results = gloo_results
     assert results[0]["backend"] == "gloo"
@@ -122,7 +157,7 @@ def test_executor_matches_hsdp_on_4_gloo_ranks(gloo_results):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(pj.SHARED_TIMEOUT_S)
 def test_executor_misuse_and_labels_on_4_gloo_ranks(gloo_results):
     _plan, results = gloo_results
     by_name = {c["name"]: i for i, c in enumerate(GLOO_CASES)}
@@ -141,17 +176,9 @@ def test_executor_misuse_and_labels_on_4_gloo_ranks(gloo_results):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_executor_stage1_and_calibration_over_the_emulated_backend(tmp_path):
-    plan = _plan(pj.FAST_WAN, stage1=False)
-    # a schedule with both stages: the root exchanged first (stage 1: at the end of backward), the blocks in reverse
-    slots = tuple(dataclasses.replace(s, stage=1 if s.unit == "<root>" else 2,
-                                      order={"<root>": 0, "blocks.2-3": 1, "blocks.0-1": 2}[s.unit])
-                  for s in plan.schedule.slots)
-    odd = dataclasses.replace(plan, schedule=dataclasses.replace(plan.schedule, slots=slots))
-    cases = [{"name": "adamw-odd-schedule", "optimizer": "adamw", "plan": odd.to_dict()},
-             {"name": "sgd-clip-slow", "optimizer": "sgd", "max_grad_norm": 1e6, "slow": True, "calibrate": True}]
-    results = jobs.spawn(4, tmp_path, jobs.with_stage1_schedule(plan, 0.01).to_dict(), cases, emulated=True)
+@pytest.mark.timeout(pj.SHARED_TIMEOUT_S)
+def test_executor_stage1_and_calibration_over_the_emulated_backend(all_results):
+    results = all_results[1]["w4emu"]
     assert results[0]["backend"] == "emu"
     assert results[0]["op_counts"].get("reduce_scatter", 0) > 0 and results[0]["op_counts"].get("all_gather", 0) > 0
     schedules = set()
@@ -217,15 +244,12 @@ def test_executor_refuses_bad_input_before_any_collective():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(150)
-def test_executor_state_dict_round_trips_through_dcp(tmp_path):
+@pytest.mark.timeout(pj.SHARED_TIMEOUT_S)
+def test_executor_state_dict_round_trips_through_dcp(all_results):
     """Train k steps, dcp.save model + executor state, load into a fresh model/executor (another
     init), continue to N: bit-identical parameters to an uninterrupted run (AdamW, with and without
     clipping; plain state dict and the executor as a DCP Stateful)."""
-    cases = [{"name": "adamw", "optimizer": "adamw", "k": 2},
-             {"name": "adamw-clip-stateful", "optimizer": "adamw", "max_grad_norm": 0.05, "k": 2, "stateful": True},
-             {"name": "sgd-k1", "optimizer": "sgd", "k": 1}]
-    results = jobs.spawn_resume(4, tmp_path, _plan("wan").to_dict(), cases)
+    results = all_results[1]["resume4"]
     check_resumed(results, "TwoStageExecutor")
 
 

@@ -46,11 +46,29 @@ def _plan(topology, stage1=True):
     return ej.with_stage1_schedule(plan) if stage1 else plan
 
 
+EMU_CASES = [{"name": "bytes", "optimizer": "adamw", "bytes": True},
+             {"name": "slow", "optimizer": "adamw", "max_grad_norm": 1e6, "slow": True, "calibrate": True}]
+
+
+def _phases():
+    """The module's two 4-rank jobs (gloo cases with the resume cases, emulated cases), each its own process
+    group; they run in the session's one spawned group of 4 processes (tests/conftest.py ``planner_spawn``)."""
+    return [("gloo", jobs._entry, 4, (_plan("wan").to_dict(), GLOO_CASES + RESUME_CASES, False)),
+            ("emu", jobs._entry, 4, (ej.with_stage1_schedule(_plan(pj.FAST_WAN), 0.01).to_dict(), EMU_CASES, True))]
+
+
+pj.share_spawn(__name__, _phases, timeout_s=130.0)
+
+
 @pytest.fixture(scope="module")
-def gloo_results(tmp_path_factory):
-    plan = _plan("wan")
-    return plan, jobs.spawn(tmp_path_factory.mktemp("partial"), plan.to_dict(), GLOO_CASES + RESUME_CASES,
-                            emulated=False)
+def all_results(planner_spawn):
+    return _plan("wan"), _plan(pj.FAST_WAN), planner_spawn[__name__]
+
+
+@pytest.fixture(scope="module")
+def gloo_results(all_results):
+    plan, _emu_plan, results = all_results
+    return plan, results["gloo"]
 
 
 def _check_case(rank, case, res):
@@ -67,7 +85,7 @@ def _check_case(rank, case, res):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(pj.SHARED_TIMEOUT_S)  # the first test to ask for planner_spawn waits for all of it
 def test_partial_matches_data_parallel_on_4_gloo_ranks(gloo_results):
     plan, results = gloo_results
     assert results[0]["backend"] == "gloo"
@@ -86,7 +104,7 @@ def test_partial_matches_data_parallel_on_4_gloo_ranks(gloo_results):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(pj.SHARED_TIMEOUT_S)
 def test_partial_misuse_labels_and_checkpoint_on_4_gloo_ranks(gloo_results):
     _plan, results = gloo_results
     by_name = {c["name"]: i for i, c in enumerate(GLOO_CASES)}
@@ -104,12 +122,10 @@ def test_partial_misuse_labels_and_checkpoint_on_4_gloo_ranks(gloo_results):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_partial_bytes_stage1_and_calibration_over_the_emulated_backend(tmp_path):
-    plan = _plan(pj.FAST_WAN)
-    cases = [{"name": "bytes", "optimizer": "adamw", "bytes": True},
-             {"name": "slow", "optimizer": "adamw", "max_grad_norm": 1e6, "slow": True, "calibrate": True}]
-    results = jobs.spawn(tmp_path, ej.with_stage1_schedule(plan, 0.01).to_dict(), cases, emulated=True)
+@pytest.mark.timeout(pj.SHARED_TIMEOUT_S)
+def test_partial_bytes_stage1_and_calibration_over_the_emulated_backend(all_results):
+    _gloo_plan, plan, results = all_results
+    results = results["emu"]
     assert results[0]["backend"] == "emu"
     topo = plan.topology
     model_bytes = 4 * sum(p.numel() for p in pj.Net().parameters())

@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from cpdpkit.sync import PeriodicSyncOptimizer
-from dist_utils import run_ranks
+from dist_utils import SHARED_TIMEOUT_S, share_ranks
 from sync_reference import batch, make_model
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(SHARED_TIMEOUT_S)]  # sync_ranks: all of it
 
 PERIOD, PERIODS = 3, 4  # 12 steps: 4 reconciliations, each after 2 local steps
 SAME_TOL = 1e-6  # measured: 1.5e-7 (float32 rounding)
@@ -47,9 +47,13 @@ def _cpdp_and_slowmo(rank: int, world: int) -> dict[str, dict[str, list[torch.Te
     return {name: {s: _train(rank, world, s, name) for s in ("cpdp", "slowmo")} for name in OPTIMIZERS}
 
 
+# on the session's one pair of spawned ranks (tests/conftest.py sync_ranks)
+share_ranks(__name__, {"runs": (_cpdp_and_slowmo, {})}, timeout_s=80.0)
+
+
 @pytest.fixture(scope="module")
-def runs():
-    return run_ranks(_cpdp_and_slowmo, 2, timeout_s=100)
+def runs(sync_ranks):
+    return sync_ranks[__name__]["runs"]
 
 
 def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:

@@ -9,7 +9,7 @@ from torch import nn
 import sync_scenarios as sc
 from cpdpkit.errors import ConfigError, DistributedSetupError
 from cpdpkit.sync import PeriodicSyncOptimizer, SyncConfig
-from dist_utils import run_ranks
+from dist_utils import SHARED_TIMEOUT_S, share_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -94,16 +94,23 @@ def _foreign_and_fp16(rank: int, world: int) -> dict:
     return out
 
 
+# on the session's one pair of spawned ranks (tests/conftest.py sync_ranks); bad_input after every other
+# module's calls (its mismatched construction leaves the process group's collectives out of step)
+share_ranks(__name__, {"foreign": (_foreign_and_fp16, {})}, timeout_s=30.0)
+share_ranks(f"{__name__}:last", {"bad": (sc.bad_input, {})}, timeout_s=30.0, order=2)
+
+
 @pytest.mark.slow
-def test_errors_that_need_a_process_group():
-    results = run_ranks(_foreign_and_fp16, 2)
+@pytest.mark.timeout(SHARED_TIMEOUT_S)  # the first test to ask for sync_ranks waits for all of it
+def test_errors_that_need_a_process_group(sync_ranks):
+    results, bad = sync_ranks[__name__]["foreign"], sync_ranks[f"{__name__}:last"]["bad"]
     r = results[0]
     assert r["foreign"] == ("parameter 0 of param group 0 (shape (2, 2)) is not a parameter of "
                             "model: build the optimizer from model.parameters()")
     assert r["fp16"] == ("parameters are torch.float16: SlowMo's anchor and slow momentum lose "
                          "updates in low precision; pass anchor_dtype=torch.float32")
     assert r["fp16_ok"] == torch.float32
-    results = run_ranks(sc.bad_input, 2)
+    results = bad
     assert results[0]["group"] == "no error"
     assert results[1]["group"] == (
         "DistributedSetupError: this rank (1) is not a member of the group passed to "

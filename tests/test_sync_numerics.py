@@ -7,11 +7,12 @@ import dataclasses
 import pytest
 import torch
 
+import _planner_jobs as pj
 import sync_scenarios as sc
-from dist_utils import run_ranks
+from dist_utils import SHARED_TIMEOUT_S, share_ranks
 from sync_reference import Workload, simulate
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(SHARED_TIMEOUT_S)]  # sync_ranks: all of it
 
 TOL = 1e-6
 
@@ -57,10 +58,35 @@ def _check_identical_after_reconciliation(workloads: list[Workload], results: li
                 assert all(torch.equal(a, b) for a, b in zip(mine, theirs)), (w, n)
 
 
+# Every 2-rank scenario of this module runs on the session's one pair of spawned ranks (tests/conftest.py
+# sync_ranks: one process group, the calls one after the other, each building its own models and seeding its
+# own data); the tests read their part. Spawning (importing torch on every rank) dominated their time when
+# each test spawned its own ranks.
+TWO_RANK_CALLS = {
+    "workloads": (sc.run_workloads, {"workloads": [dataclasses.asdict(w) for w in CORE + POLICIES]}),
+    **{f"peers-{o}": (sc.against_torch_peers, {"optimizer": o, "period": 3}) for o in ("sgd", "adamw")},
+    **{f"wrapped-{s}": (sc.ddp_wrapped_vs_plain, {"strategy": s, "period": 3}) for s in ("cpdp", "localsgd")},
+    # stop in the middle of a period (after step 5 of periods ending at 4, 7, 10)
+    **{f"resume-{s}": (sc.checkpoint_resume, {"strategy": s, "stop_at": 5, "total": 11}) for s in ("cpdp", "slowmo")},
+    "scheduler": (sc.with_scheduler, {"strategy": "cpdp"}),
+    "buckets": (sc.stats_and_buckets, {}),
+    "labels": (sc.profiled_labels, {}),
+}
+
+
+share_ranks(__name__, TWO_RANK_CALLS, timeout_s=180.0)
+# it registers the emu backend and leaves an emu group: after the other modules' calls
+share_ranks(f"{__name__}:late", {"emulated": (sc.emulated_vs_plain, {})}, timeout_s=40.0, order=1)
+
+
 @pytest.fixture(scope="module")
-def two_rank_results():
-    specs = [dataclasses.asdict(w) for w in CORE + POLICIES]
-    return run_ranks(sc.run_workloads, 2, workloads=specs)
+def two_ranks(sync_ranks):
+    return {**sync_ranks[__name__], **sync_ranks[f"{__name__}:late"]}
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(two_ranks):
+    return two_ranks["workloads"]
 
 
 def test_every_strategy_matches_reference_2_ranks(two_rank_results):
@@ -94,15 +120,31 @@ def test_stats_count_steps_and_reconciliations(two_rank_results):
         assert stats["bytes_sent"] > 0 and stats["blocked_s"] > 0
 
 
-def test_four_ranks_and_hierarchical_groups():
-    flat = [Workload(strategy=s, optimizer="sgd", warmup_steps=1, steps=10) for s in
-            ("localsgd", "slowmo", "cpdp")]
-    specs = [dataclasses.asdict(w) for w in flat]
-    results = run_ranks(sc.run_workloads, 4, workloads=specs)
+FOUR_RANK_FLAT = [Workload(strategy=s, optimizer="sgd", warmup_steps=1, steps=10) for s in
+                  ("localsgd", "slowmo", "cpdp")]
+
+
+def _four_rank_phase(rank: int, world_size: int, out: str, specs: list[dict]) -> None:
+    """Flat, then hierarchical (2 nodes x 2 ranks; gradients averaged in the node every step), on one
+    gloo process group of 4 ranks."""
+    pj.init_rank(rank, world_size, out, emulated=False)
+    flat = sc.run_workloads(rank, world_size, specs)
+    hier = sc.run_workloads(rank, world_size, specs, hierarchical=True)
+    pj.finish_rank(rank, out, {"flat": flat, "hier": hier})
+
+
+# the 4-rank job runs in the session's one spawned group of 4 processes (tests/conftest.py planner_spawn)
+pj.share_spawn(__name__, lambda: [("four", _four_rank_phase, 4, ([dataclasses.asdict(w) for w in FOUR_RANK_FLAT],))],
+               timeout_s=100.0)
+
+
+@pytest.mark.timeout(pj.SHARED_TIMEOUT_S)  # the first test to ask for planner_spawn waits for all of it
+def test_four_ranks_and_hierarchical_groups(planner_spawn):
+    flat = FOUR_RANK_FLAT
+    by_rank = planner_spawn[__name__]["four"]
+    results, hier = [r["flat"] for r in by_rank], [r["hier"] for r in by_rank]
     _check_against_reference(flat, results, 4)
     _check_identical_after_reconciliation(flat, results)
-    # hierarchical: 2 nodes x 2 ranks; gradients averaged in the node every step
-    hier = run_ranks(sc.run_workloads, 4, workloads=specs, hierarchical=True)
     for i, w in enumerate(flat):
         assert all(torch.equal(a, b) for a, b in zip(hier[0][i]["params"], hier[1][i]["params"]))
         assert all(torch.equal(a, b) for a, b in zip(hier[2][i]["params"], hier[3][i]["params"]))
@@ -128,9 +170,9 @@ def _simulate_hierarchical(w: Workload) -> list[list[torch.Tensor]]:
         ref.batch = original
 
 
-def test_matches_torch_ddp_and_post_local_sgd():
+def test_matches_torch_ddp_and_post_local_sgd(two_ranks):
     for optimizer in ("sgd", "adamw"):
-        results = run_ranks(sc.against_torch_peers, 2, optimizer=optimizer, period=3)
+        results = two_ranks[f"peers-{optimizer}"]
         for rank, res in enumerate(results):
             ours, peer = res["ddp"]
             assert _max_err(ours, peer) <= TOL, f"ddp vs torch DDP ({optimizer}, rank {rank})"
@@ -139,18 +181,18 @@ def test_matches_torch_ddp_and_post_local_sgd():
             assert err <= TOL, f"localsgd vs PostLocalSGD ({optimizer}, rank {rank}): {err}"
 
 
-def test_ddp_wrapped_module_equals_plain_module():
+def test_ddp_wrapped_module_equals_plain_module(two_ranks):
     for strategy in ("cpdp", "localsgd"):
-        results = run_ranks(sc.ddp_wrapped_vs_plain, 2, strategy=strategy, period=3)
+        results = two_ranks[f"wrapped-{strategy}"]
         for res in results:
             assert _max_err(res["plain"], res["ddp"]) <= TOL, strategy
             assert res["stats_ddp"]["reconciliations"] == res["stats_plain"]["reconciliations"]
 
 
-def test_checkpoint_resume_is_bit_identical():
+def test_checkpoint_resume_is_bit_identical(two_ranks):
     for strategy in ("cpdp", "slowmo"):
-        # stop in the middle of a period (after step 5 of periods ending at 4, 7, 10)
-        results = run_ranks(sc.checkpoint_resume, 2, strategy=strategy, stop_at=5, total=11)
+        # stopped in the middle of a period (after step 5 of periods ending at 4, 7, 10)
+        results = two_ranks[f"resume-{strategy}"]
         for res in results:
             assert res["saved_keys"] == ["cpdpkit", "param_groups", "state"]
             assert res["saved_step"] == 5 and res["step"] == 11
@@ -158,8 +200,8 @@ def test_checkpoint_resume_is_bit_identical():
             assert all(torch.equal(a, b) for a, b in zip(res["straight"], res["resumed"]))
 
 
-def test_param_groups_and_lr_scheduler():
-    results = run_ranks(sc.with_scheduler, 2, strategy="cpdp")
+def test_param_groups_and_lr_scheduler(two_ranks):
+    results = two_ranks["scheduler"]
     w = Workload(strategy="cpdp", optimizer="sgd2groups", period=2, steps=8)
     ref = simulate(w, 2, schedulers=lambda o: torch.optim.lr_scheduler.StepLR(o, 3, 0.5))
     for rank in range(2):
@@ -169,8 +211,8 @@ def test_param_groups_and_lr_scheduler():
                                                      results[rank]["wrapper"]))
 
 
-def test_collectives_are_coalesced_into_buckets():
-    res = run_ranks(sc.stats_and_buckets, 2)[0]
+def test_collectives_are_coalesced_into_buckets(two_ranks):
+    res = two_ranks["buckets"][0]
     by_step = {n: (c, b) for n, c, b in res["counts"]}
     param_bytes = res["param_bytes"]
     # local steps communicate nothing
@@ -182,8 +224,8 @@ def test_collectives_are_coalesced_into_buckets():
     assert collectives <= 2 * (param_bytes // (1024 * 1024) + 2), collectives
 
 
-def test_phases_are_labelled_and_gradient_buckets_launch_during_backward():
-    res = run_ranks(sc.profiled_labels, 2)[0]
+def test_phases_are_labelled_and_gradient_buckets_launch_during_backward(two_ranks):
+    res = two_ranks["labels"][0]
     assert {"cpdpkit::sync::grad_allreduce", "cpdpkit::sync::grad_wait",
             "cpdpkit::sync::param_average", "cpdpkit::sync::slowmo_update"} <= set(res["names"])
     # 4 layers of ~257 KB in 0.3 MB buckets: 4 launches on each of the 2 reconciliations
@@ -192,8 +234,8 @@ def test_phases_are_labelled_and_gradient_buckets_launch_during_backward():
     assert all(inside), "every bucket all-reduce must be launched from backward hooks"
 
 
-def test_identical_with_and_without_network_emulation():
-    for res in run_ranks(sc.emulated_vs_plain, 2):
+def test_identical_with_and_without_network_emulation(two_ranks):
+    for res in two_ranks["emulated"]:
         for ours, plain in zip(res["emu"], res["gloo"]):
             assert all(torch.equal(a, b) for a, b in zip(ours, plain))
         # the emulated runs really went through the emu backend (broadcast, all-gather, all-reduce)

@@ -18,7 +18,7 @@ import torch
 import sync_scenarios as sc
 from cpdpkit.sync import SyncConfig
 from cpdpkit.sync.period_control import PeriodSchedule, decide_period, divergence
-from dist_utils import run_ranks
+from dist_utils import SHARED_TIMEOUT_S, share_ranks
 from sync_reference import Workload, simulate
 
 TOL = 1e-6
@@ -129,14 +129,18 @@ AUTO_RUNS = [
 ]
 
 
+# one 2-rank call for everything below, on the session's one pair of spawned ranks (tests/conftest.py
+# sync_ranks; processes are the expensive part)
+share_ranks(__name__, {"all": (sc.overlap_and_auto, {"overlap": [dataclasses.asdict(w) for w in OVERLAP],
+                                                     "auto_runs": AUTO_RUNS})}, timeout_s=200.0)
+
+
 @pytest.fixture(scope="module")
-def results():
-    """One 2-rank job for everything below (processes are the expensive part)."""
-    return run_ranks(sc.overlap_and_auto, 2, timeout_s=240,
-                     overlap=[dataclasses.asdict(w) for w in OVERLAP], auto_runs=AUTO_RUNS)
+def results(sync_ranks):
+    return sync_ranks[__name__]["all"]
 
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(SHARED_TIMEOUT_S)]  # sync_ranks: all of it
 
 
 def test_overlap_matches_the_reference(results):

@@ -1,7 +1,7 @@
 """A small training job that checkpoints, for tests/test_launch_restart.py and tests/test_checkpoint.py.
 
     cpdpkit launch --nproc-per-node 2 --max-restarts 1 tests/data/restart_train.py OUT [--kill-rank 1
-        --kill-step 41] [--steps 60] [--every 8] [--setups ddp,localsgd,...]
+        --kill-step 41] [--steps 60] [--every 8] [--setups ddp,localsgd,...] [--clean-first CLEAN]
 
 Several setups train side by side, step by step (one job, one launch): each a tiny MLP with dropout
 (draws from torch's global RNG) on data drawn from the global RNG too, so a resumed run only
@@ -10,7 +10,9 @@ matches if the checkpoint restored the RNG; each with its own optimizer and ``Ch
 mid-period, 2 steps after a reconciliation). With ``--kill-step S`` the rank ``--kill-rank``
 SIGKILLs itself in step S (after the first setup's step) on the first attempt only
 (``TORCHELASTIC_RESTART_COUNT == 0``). Every rank writes ``OUT/final-rank<R>.pt``: per setup the
-final parameters (local values) and the step it resumed from, and the restart count.
+final parameters (local values) and the step it resumed from, and the restart count. With
+``--clean-first CLEAN`` the first attempt's ranks (fresh processes) first train an uninterrupted run
+into ``CLEAN`` (the reference, without a launch of its own), then ``OUT``'s run.
 """
 
 from __future__ import annotations
@@ -121,9 +123,17 @@ def main() -> None:
     parser.add_argument("--setups", default=",".join(SETUPS))
     parser.add_argument("--kill-rank", type=int, default=None)
     parser.add_argument("--kill-step", type=int, default=None)
+    parser.add_argument("--clean-first", default=None,
+                        help="on the first attempt, first train an uninterrupted run into this folder (its own "
+                             "checkpoints and final-rank<R>.pt), then OUT's run; later attempts skip it")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    if args.clean_first and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        clean = Path(args.clean_first)
+        result = run(clean, steps=args.steps, every=args.every, setups=args.setups.split(","))
+        torch.save(result, clean / f"final-rank{dist.get_rank()}.pt")
+        dist.barrier()
     out = Path(args.out)
     result = run(out, steps=args.steps, every=args.every, setups=args.setups.split(","),
                  kill_rank=args.kill_rank, kill_step=args.kill_step)
