@@ -144,8 +144,10 @@ class CostModel:
         return tier.name if tier is not None else None
 
 
-def _phase(model: CostModel, name: str, op: str, axis: str, group: tuple[int, int, int],
-           sizes: list[int]) -> CommPhase | None:
+def comm_phase(model: CostModel, name: str, op: str, axis: str, group: tuple[int, int, int],
+               sizes: list[int]) -> CommPhase | None:
+    """One phase: ``op`` on each of ``sizes`` bytes over ``group``, priced by the network model
+    (``None`` when there is nothing to send or the group has one rank)."""
     if not sizes or len(range(*group)) < 2:
         return None
     net = model.group(group)
@@ -162,24 +164,24 @@ def comm_phases(model: CostModel, units: list[UnitGeom], cand: Candidate,
     pb, gb = config.param_bytes, config.grad_bytes
     shard, replicate = (0, s, 1), (0, w, s)
     phases = [
-        _phase(model, "forward all-gather", "all_gather", "shard", shard, [u.padded_numel * pb for u in units]),
-        _phase(model, "backward all-gather", "all_gather", "shard", shard,
-               [u.padded_numel * pb for u in units if u.reshard_after_forward is True]),
+        comm_phase(model, "forward all-gather", "all_gather", "shard", shard, [u.padded_numel * pb for u in units]),
+        comm_phase(model, "backward all-gather", "all_gather", "shard", shard,
+                   [u.padded_numel * pb for u in units if u.reshard_after_forward is True]),
     ]
     for k in sorted({u.reshard_after_forward for u in units if _is_int(u.reshard_after_forward)}):
-        phases.append(_phase(model, f"backward all-gather (resharded on {k})", "all_gather", "shard", (0, k, 1),
-                             [u.padded_numel * pb for u in units if u.reshard_after_forward == k]))
-    phases.append(_phase(model, "gradient reduce-scatter", "reduce_scatter", "shard", shard,
-                         [u.padded_numel * gb for u in units]))
+        phases.append(comm_phase(model, f"backward all-gather (resharded on {k})", "all_gather", "shard", (0, k, 1),
+                                 [u.padded_numel * pb for u in units if u.reshard_after_forward == k]))
+    phases.append(comm_phase(model, "gradient reduce-scatter", "reduce_scatter", "shard", shard,
+                             [u.padded_numel * gb for u in units]))
     shard_chunks = [u.padded_numel // s for u in units]
     if cand.state_sharded:
-        phases.append(_phase(model, "gradient reduce-scatter", "reduce_scatter", "replicate", replicate,
-                             [n * gb for n in shard_chunks]))
-        phases.append(_phase(model, "parameter all-gather", "all_gather", "replicate", replicate,
-                             [n * pb for n in shard_chunks]))
+        phases.append(comm_phase(model, "gradient reduce-scatter", "reduce_scatter", "replicate", replicate,
+                                 [n * gb for n in shard_chunks]))
+        phases.append(comm_phase(model, "parameter all-gather", "all_gather", "replicate", replicate,
+                                 [n * pb for n in shard_chunks]))
     else:
-        phases.append(_phase(model, "gradient all-reduce", "all_reduce", "replicate", replicate,
-                             [n * gb for n in shard_chunks]))
+        phases.append(comm_phase(model, "gradient all-reduce", "all_reduce", "replicate", replicate,
+                                 [n * gb for n in shard_chunks]))
     return tuple(p for p in phases if p is not None)
 
 
@@ -244,10 +246,11 @@ def partial_comm_phases(model: CostModel, units: list[UnitGeom], cand: Candidate
     numels = [u.padded_numel for u in units]  # == numel: nothing is padded
     slices = [ceil_div(n, s) for n in numels]
     phases = (
-        _phase(model, "gradient reduce-scatter", "reduce_scatter", "shard", shard, [n * gb for n in numels]),
-        _phase(model, "gradient reduce-scatter", "reduce_scatter", "replicate", replicate, [c * gb for c in slices]),
-        _phase(model, "parameter all-gather", "all_gather", "replicate", replicate, [c * pb for c in slices]),
-        _phase(model, "parameter all-gather", "all_gather", "shard", shard, [n * pb for n in numels]),
+        comm_phase(model, "gradient reduce-scatter", "reduce_scatter", "shard", shard, [n * gb for n in numels]),
+        comm_phase(model, "gradient reduce-scatter", "reduce_scatter", "replicate", replicate,
+                   [c * gb for c in slices]),
+        comm_phase(model, "parameter all-gather", "all_gather", "replicate", replicate, [c * pb for c in slices]),
+        comm_phase(model, "parameter all-gather", "all_gather", "shard", shard, [n * pb for n in numels]),
     )
     return tuple(p for p in phases if p is not None)
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from cpdpkit.planner._cost import CostModel, Evaluation, UnitGeom
+from cpdpkit.planner._cost import CostModel, Evaluation, UnitGeom, comm_phase
 from cpdpkit.planner.config import DTYPE_BYTES, PlannerConfig, PlannerError
 from cpdpkit.planner.plan import CommPhase, RankBytes, Reconciliation
 from cpdpkit.topology import Topology
@@ -65,11 +65,9 @@ def reconcile_site_size(topo: Topology, config: PlannerConfig) -> int | None:
 
 
 def _phase(name: str, group: tuple[int, int, int], model: CostModel, sizes: list[int]) -> CommPhase:
-    net = model.group(group)
-    costs = [net.cost("all_reduce", n) for n in sizes]
-    return CommPhase(name=name, op="all_reduce", axis="replicate", tier=model.tier_name(group),
-                     num_ranks=net.num_ranks, num_collectives=len(sizes), collective_bytes=sum(sizes),
-                     wire_bytes_per_rank=sum(c.wire_bytes for c in costs), time_s=sum(c.time_s for c in costs))
+    phase = comm_phase(model, name, "all_reduce", "replicate", group, sizes)
+    assert phase is not None  # at least two sites and one unit
+    return phase
 
 
 def _with_slowmo_state(rb: RankBytes, config: PlannerConfig) -> tuple[RankBytes, int]:
