@@ -45,10 +45,10 @@ def _train(rank: int, steps: int) -> dict[str, Any]:
     for step in range(steps):
         grad = torch.full_like(param, float(rank + step))
         with meter() as m:
-            t0 = time.perf_counter()
+            issue_s, t0 = time.monotonic(), time.perf_counter()
             dist.all_reduce(grad)
             done_s = time.monotonic()
-            calls.append({"elapsed_s": time.perf_counter() - t0, "done_s": done_s,
+            calls.append({"elapsed_s": time.perf_counter() - t0, "issue_s": issue_s, "done_s": done_s,
                           "modeled_s": sum(m.modeled_s_by_tier.values()), "blocked_s": m.blocked_s})
         param -= 0.1 * grad
     return {"calls": calls, "param_sum": float(param.sum())}

@@ -128,9 +128,11 @@ def test_spikes_slow_rank_and_a_short_outage_let_training_go_on(tmp_path: Path) 
         assert [c["modeled_s"] for c in result["calls"]] == pytest.approx(expect, rel=1e-9)
     # the link was down for the first down_s seconds: the first all-reduce ended after it came back
     assert r0["calls"][0]["done_s"] >= r0["fault_origin_s"] + down_s + base
-    # the slow rank arrives late_s late at every collective: rank 0 waits for it each time
-    later = r0["calls"][1:]
-    assert min(c["blocked_s"] for c in later) >= late_s * 0.9 + base, later
+    # the slow rank arrives late_s after it calls each collective, and rank 0 waits for it each time:
+    # no collective ends before the slow rank's arrival + the modeled time (monotonic clocks of one
+    # machine; a bound that scheduling noise cannot break, where rank 0's blocked time could)
+    for n, (c0, c1) in enumerate(zip(r0["calls"], r1["calls"])):
+        assert c0["done_s"] >= c1["issue_s"] + late_s + expect[n], (n, c0, c1)
 
 
 @pytest.mark.slow
