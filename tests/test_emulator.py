@@ -50,7 +50,10 @@ def test_two_rank_time_matches_model(two: list[dict[str, Any]], op: str) -> None
     modeled = _modeled_s(op, 2, jobs.TIMED_BYTES)
     assert modeled >= 0.02
     for rank in two:
-        assert modeled * 0.99 <= rank["times"][op] <= modeled * 1.10, (op, rank["times"][op], modeled)
+        # No run ends before the model says (a rank completes at the last arrival + the modeled time),
+        # and the best run is within 10 % of it: load on the machine only adds to a run, never removes.
+        runs = rank["times"][op]
+        assert modeled * 0.99 <= min(runs) <= modeled * 1.10, (op, runs, modeled)
 
 
 @pytest.mark.parametrize("op", TIMED_OPS)
@@ -60,7 +63,8 @@ def test_four_rank_time_matches_model(four: list[dict[str, Any]], op: str) -> No
     for rank in four:
         # Each rank times from its own exit of a gloo barrier, and (issue 15) completes at the *last*
         # rank's arrival + modeled: 4 processes on 2 shared cores leave the barrier up to a few ms apart.
-        assert modeled * 0.99 <= rank["times"][op] <= modeled * 1.10 + BARRIER_SKEW_S, (op, rank["times"][op], modeled)
+        runs = rank["times"][op]  # as above: every run at least the model, the best one close to it
+        assert modeled * 0.99 <= min(runs) <= modeled * 1.10 + BARRIER_SKEW_S, (op, runs, modeled)
 
 
 def test_async_all_reduce_overlaps_compute(two: list[dict[str, Any]]) -> None:
