@@ -173,6 +173,19 @@ def executor(rank: int, tmp: str, replicate: Any, sites: list[Any]) -> dict[str,
     out["ex"] = full(ex.model)
     out["ex_stats"] = (opt.stats, ex.stats["stage1_launched"], ex.stats["stage1_scheduled"])
     out["ex_slice_numel"] = sum(p.numel() for p in ex.slice_params)
+    out["ex_num_slices"] = len(ex.slice_params)
+    # each step: the collectives across sites launched by backward, and whether the step synced gradients
+    ex2, opt2 = build()
+    out["ex_launched_in_backward"] = []
+    for step in range(STEPS):
+        x, y = batch(rank, step, 5)
+        opt2.zero_grad()
+        loss = nn.functional.mse_loss(ex2.model(x), y)
+        before = opt2.stats
+        loss.backward()
+        in_backward = opt2.stats.collectives - before.collectives
+        opt2.step()
+        out["ex_launched_in_backward"].append((in_backward, opt2.stats.gradient_syncs - before.gradient_syncs))
     ckpt = Checkpointer(Path(tmp) / "ckpt-ex", every=3, timeout_s=60)
     a, opt_a = build(overlap_steps=1)
     train(a.model, opt_a, rank, range(3), 5)

@@ -385,15 +385,24 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         self._after_inner_step(n, self._reconciler.schedule.kind(n))
         self._after_ran = True
 
-    def reduce_gradient(self, grad: torch.Tensor) -> None:
-        """An executor's slice gradient, reduced inside its mesh: the mean across replicas on sync steps."""
+    def gradient_sync_due(self) -> bool:
+        """Whether the coming backward's gradients are averaged across replicas (:meth:`reduce_gradient` launches)."""
+        return self._gradient_target() is not None and not self._no_sync
+
+    def reduce_gradient(self, grad: torch.Tensor) -> Callable[[], None] | None:
+        """An executor's slice gradient, reduced inside its mesh: launch its mean across replicas in place
+        on sync steps and return the wait the executor calls before it uses ``grad`` (``None``: nothing launched)."""
+        if not self.gradient_sync_due():
+            return None
         comm = self._gradient_target()
-        if comm is None or self._no_sync:
-            return
         with record_function(SYNC.GRAD_ALLREDUCE.label):
             work = comm.all_reduce_avg_async(grad)
-        with comm.blocking(SYNC.GRAD_WAIT):
-            comm.wait(work)
+
+        def wait() -> None:
+            with comm.blocking(SYNC.GRAD_WAIT):
+                comm.wait(work)
+
+        return wait
 
     def flush(self) -> None:
         """Apply a reconciliation still in flight (``overlap_steps >= 1``) now, e.g. at the end
