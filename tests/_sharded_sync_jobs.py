@@ -174,18 +174,22 @@ def executor(rank: int, tmp: str, replicate: Any, sites: list[Any]) -> dict[str,
     out["ex_stats"] = (opt.stats, ex.stats["stage1_launched"], ex.stats["stage1_scheduled"])
     out["ex_slice_numel"] = sum(p.numel() for p in ex.slice_params)
     out["ex_num_slices"] = len(ex.slice_params)
-    # each step: the collectives across sites launched by backward, and whether the step synced gradients
-    ex2, opt2 = build()
-    out["ex_launched_in_backward"] = []
-    for step in range(STEPS):
-        x, y = batch(rank, step, 5)
-        opt2.zero_grad()
-        loss = nn.functional.mse_loss(ex2.model(x), y)
-        before = opt2.stats
-        loss.backward()
-        in_backward = opt2.stats.collectives - before.collectives
-        opt2.step()
-        out["ex_launched_in_backward"].append((in_backward, opt2.stats.gradient_syncs - before.gradient_syncs))
+    # each step: the collectives across sites launched by backward, and whether the step synced gradients;
+    # with the default bucket cap all slices share one bucket, with a tiny one each slice is its own
+    for cap, key in ((None, "ex_launched_in_backward"), (1e-6, "ex_launched_in_backward_per_slice")):
+        ex2, opt2 = build(**({} if cap is None else {"bucket_cap_mb": cap}))
+        out[key] = []
+        for step in range(STEPS):
+            x, y = batch(rank, step, 5)
+            opt2.zero_grad()
+            loss = nn.functional.mse_loss(ex2.model(x), y)
+            before = opt2.stats
+            loss.backward()
+            in_backward = opt2.stats.collectives - before.collectives
+            opt2.step()
+            out[key].append((in_backward, opt2.stats.gradient_syncs - before.gradient_syncs))
+        ex2.wait_exchanges()
+        out[key + "_params"] = full(ex2.model)
     ckpt = Checkpointer(Path(tmp) / "ckpt-ex", every=3, timeout_s=60)
     a, opt_a = build(overlap_steps=1)
     train(a.model, opt_a, rank, range(3), 5)

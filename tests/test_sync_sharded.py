@@ -91,11 +91,15 @@ def test_cpdp_over_a_two_stage_executor_per_site_equals_the_plain_path(ranks: li
         stats, stage1_launched, stage1_scheduled = r["ex_stats"]
         assert (stats.gradient_syncs, stats.reconciliations) == (2, 1)
         assert stats.bytes_sent == 3 * r["ex_slice_numel"] * 4  # only this rank's slices cross sites
-        # on a step that syncs gradients, every slice's mean across sites is launched under backward
-        # (one gradient hook behind), none left for step(); a local step sends nothing across sites
-        launched = r["ex_launched_in_backward"]
-        assert [synced for _, synced in launched].count(1) == 2, launched
-        assert launched == [(r["ex_num_slices"] * synced, synced) for _, synced in launched]
+        # on a step that syncs gradients, the slice gradients cross sites in DDP-style buckets launched under
+        # backward (one bucket of all slices by default; one per slice with a tiny cap), none left for
+        # step(); a local step sends nothing across sites; the buckets change no number
+        for key, per_step in (("ex_launched_in_backward", 1),
+                              ("ex_launched_in_backward_per_slice", r["ex_num_slices"])):
+            launched = r[key]
+            assert [synced for _, synced in launched].count(1) == 2, launched
+            assert launched == [(per_step * synced, synced) for _, synced in launched], key
+            assert _same(r[key + "_params"], r["ex"]), key
         # local steps keep the two-stage exchange under backward; the reconciliation step defers it
         assert stage1_scheduled > 0 and 0 < stage1_launched < stage1_scheduled
         assert r["ex_errors"] == [

@@ -143,15 +143,13 @@ class SliceUnit:
     launched: bool = False  # its updated slice's all-gather was launched
     pending_rs: tuple[Any, torch.Tensor, torch.Tensor] | None = None
     grad: torch.Tensor | None = None  # the reduced fp32 gradient slice (kept for a clipping redo)
-    # the wait of its mean across replicas of the executor in flight (attach_periodic_sync), if any
-    grad_wait: Callable[[], None] | None = None
     sq: torch.Tensor | None = None  # its squared norm (float64) when clipping
     backup: tuple[torch.Tensor, dict[str, Any] | None] | None = None  # before a speculative update
     pending_ag: tuple[Any, torch.Tensor, torch.Tensor] | None = None  # lives until the next forward
 
     def reset_step(self) -> None:
         self.ready = self.launched = False
-        self.pending_rs = self.grad = self.grad_wait = self.sq = self.backup = None
+        self.pending_rs = self.grad = self.sq = self.backup = None
 
 
 def _clone_state(state: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -261,9 +259,9 @@ class SliceExecutor(ExecutorStateMixin):
         unit.pending_rs = (work, recv, send)
         unit.ready = True
         if self._outer is not None and self._outer.gradient_sync_due():
-            # Across replicas, one hook behind: the units that were ready before this one take their
-            # gradients now, launching their mean across replicas under the rest of backward. Always in
-            # hook order (the same on every rank, whatever each site's schedule triggers).
+            # Across replicas, one hook behind: the units ready before this one take their gradients
+            # now and hand them to the outer optimizer's buckets, in hook order (the same on every
+            # rank); a full bucket crosses the sites under the rest of backward.
             self._take_untaken()
             self._untaken.append(unit)
         if self.update_in_backward:
@@ -298,7 +296,7 @@ class SliceExecutor(ExecutorStateMixin):
     def _end_of_backward(self) -> None:
         """The autograd engine's callback after the last gradient hook of a synced backward."""
         self._clock.backward_end(time.perf_counter())
-        self._take_untaken()  # every mean across replicas in flight before anything waits on one
+        self._take_untaken()  # the last bucket across replicas leaves before backward() returns
         self._in_backward = False
         # measured only, never used to decide: which exchanges launched during backward are done
         self._num_completed += sum(1 for u in self._bwd_launched
@@ -322,7 +320,6 @@ class SliceExecutor(ExecutorStateMixin):
                 self._take_grad(u)
 
     def _take_grad(self, unit: SliceUnit) -> None:
-        """Wait for ``unit``'s reduce-scatter; launch its mean across replicas when attached (not waited here)."""
         work, recv, _send = unit.pending_rs
         with record_function(SHARD.GRAD_WAIT.label):
             work.wait()
@@ -330,24 +327,16 @@ class SliceExecutor(ExecutorStateMixin):
         grad = recv[:unit.hi - unit.lo]
         unit.grad = grad if grad.dtype == torch.float32 else grad.float()
         if self._outer is not None:  # across replicas of the executor, on the steps that sync gradients
-            unit.grad_wait = self._outer.reduce_gradient(unit.grad)
-
-    def _settle_grad(self, unit: SliceUnit) -> None:
-        """``unit.grad`` final: its mean across replicas arrived; its squared norm when clipping."""
-        if unit.grad is None:
-            self._take_grad(unit)
-        if unit.grad_wait is not None:
-            wait, unit.grad_wait = unit.grad_wait, None
-            wait()
-        if self.max_grad_norm is not None and unit.sq is None:
+            self._outer.reduce_gradient(unit.slice_param, unit.grad)  # averaged in place before step() updates
+        if self.max_grad_norm is not None:
             unit.sq = unit.grad.double().pow(2).sum()
 
     def _clip_norm(self) -> None:
         """Wait every reduce-scatter, all-reduce the squared norm once, redo mispredicted speculation."""
         backward_order = sorted(self._units, key=lambda x: -x.plan_index)
         for u in backward_order:
-            if u.pending_rs is not None or u.grad is not None:
-                self._settle_grad(u)
+            if u.pending_rs is not None:
+                self._take_grad(u)
         sq = torch.zeros((), dtype=torch.float64, device=self._device)
         for u in backward_order:  # a fixed order: the same sum whichever path updated the units
             if u.sq is not None:
@@ -367,7 +356,8 @@ class SliceExecutor(ExecutorStateMixin):
             u.backup = u.grad = None
 
     def _update(self, unit: SliceUnit, scale: float | None, *, speculative: bool = False) -> None:
-        self._settle_grad(unit)
+        if unit.grad is None:
+            self._take_grad(unit)
         if speculative:
             unit.backup = (unit.slice_param.detach().clone(), _clone_state(self.optimizer.state.get(unit.slice_param)))
             self._spec_units.append(unit)
@@ -463,8 +453,6 @@ class SliceExecutor(ExecutorStateMixin):
             if u.pending_rs is not None:
                 with record_function(SHARD.GRAD_WAIT.label):
                     u.pending_rs[0].wait()
-            if u.grad_wait is not None:  # a mean across replicas in flight: let it finish before dropping it
-                u.grad_wait()
             u.slice_param.grad = None
         self._reset_step()
         self.model.zero_grad(set_to_none=True)
@@ -481,11 +469,12 @@ class SliceExecutor(ExecutorStateMixin):
         """Let ``outer`` (a :class:`~cpdpkit.sync.PeriodicSyncOptimizer`) synchronise this executor across sites.
 
         On the backwards for which ``outer.gradient_sync_due()``, each slice gradient, once reduced inside
-        the mesh, goes to ``outer.reduce_gradient(grad)`` one gradient hook later, in hook order (the same on
-        every rank, whatever schedule each site runs), which launches its mean across replicas and returns
-        the wait called before the slice is updated: the exchange across sites runs under the rest of
-        backward. When ``outer.defers_exchange()`` is true for the coming step, every update happens in
-        :meth:`step`, then ``outer.after_updates()``, then the exchanges. Returns the slice parameters.
+        the mesh, goes to ``outer.reduce_gradient(slice_param, grad)`` one gradient hook later, in hook
+        order (the same on every rank, whatever schedule each site runs): the outer optimizer buckets
+        them and averages them in place across replicas, a full bucket under the rest of backward, the
+        rest before :meth:`step`. ``outer.defers_exchange()`` is true for such a step and for one that
+        changes the slices after their update: then every update happens in :meth:`step`, then
+        ``outer.after_updates()``, then the exchanges. Returns the slice parameters.
         """
         if self.max_grad_norm is not None:
             raise PlannerError(f"{type(self).__name__} with max_grad_norm under PeriodicSyncOptimizer: the norm would "

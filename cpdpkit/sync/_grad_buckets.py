@@ -7,6 +7,10 @@ parameter is ready its gradients are copied into the bucket, divided by the grou
 all-reduced asynchronously, so communication overlaps the rest of backward. ``finish()``
 (called from ``step()``) launches what backward did not reach, waits, and writes the
 averaged gradients back.
+
+Without hooks (``hooks=False``) the caller marks each gradient ready itself
+(:meth:`GradientBuckets.mark_ready`): the two-stage executor does, for its slice gradients, once
+they are reduced inside its mesh.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class GradientBuckets:
         *,
         bucket_cap_bytes: int,
         target: Callable[[], Communicator | None],
+        hooks: bool = True,
     ) -> None:
         self._target = target
         self._buckets: list[_Bucket] = []
@@ -57,8 +62,8 @@ class GradientBuckets:
         self._handles = []
         self._build(list(reversed(list(params))), bucket_cap_bytes)
         self.enabled = True  # False inside PeriodicSyncOptimizer.no_sync()
-        for p in params:
-            self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        for p in params if hooks else ():
+            self._handles.append(p.register_post_accumulate_grad_hook(self.mark_ready))
 
     def _build(self, ordered: list[torch.Tensor], cap: int) -> None:
         current: list[torch.Tensor] = []
@@ -95,7 +100,8 @@ class GradientBuckets:
         self._handles.clear()
 
     # -- during backward ---------------------------------------------------------------
-    def _on_grad_ready(self, param: torch.Tensor) -> None:
+    def mark_ready(self, param: torch.Tensor) -> None:
+        """``param.grad`` is final for this backward: launch its bucket's all-reduce once the bucket is full."""
         if not self.enabled:
             return
         comm = self._target()

@@ -48,7 +48,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.profiler import record_function
 
 from cpdpkit.errors import ConfigError
 from cpdpkit.labels import SYNC
@@ -224,6 +223,9 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
             comm.reset_counters()  # stats count from the first step, not construction
         if self._executor is not None:
             self._executor.publish_slices()  # the broadcast slices into every rank's model
+            # its slice gradients, handed over by the executor (reduce_gradient), in DDP-style buckets
+            self._buckets = GradientBuckets(self._params, bucket_cap_bytes=self.config.bucket_cap_bytes,
+                                            target=self._gradient_target, hooks=False)
         elif self._sharded:
             self._shard_grads = ShardGradientSync(self.model, target=self._gradient_target)
         elif self._ddp is None:
@@ -331,6 +333,9 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         target = self._gradient_target()
         if self._buckets is not None and target is not None:
             self._buckets.finish(target)
+            if self._executor is not None:  # the means are in the executor's own gradient tensors; it
+                for p in self._params:      # updates one slice at a time, each given its .grad then
+                    p.grad = None
         elif self._shard_grads is not None:
             self._shard_grads.finish()
         elif self._ddp is not None and syncs:  # DDP's reducer sent them; count its payload
@@ -371,10 +376,11 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
 
     # -- over a slice executor (TwoStageExecutor): the hooks it calls ----------------------------------
     def defers_exchange(self) -> bool:
-        """Whether the coming step changes the executor's slices after their update (a reconciliation, or
-        an overlapped average due): then the executor exchanges them only after :meth:`after_updates`."""
+        """Whether the coming step averages the executor's slice gradients across replicas or changes its
+        slices after their update (a reconciliation, or an overlapped average due): then the executor
+        updates in :meth:`step`, after the gradients arrived, and exchanges only after :meth:`after_updates`."""
         n = self._step + 1
-        if self._reconciler.schedule.kind(n) is StepKind.RECONCILE:
+        if self._reconciler.schedule.kind(n) is StepKind.RECONCILE or self.gradient_sync_due():
             return True
         flight = self._reconciler.in_flight
         return flight is not None and n >= flight.apply_step
@@ -386,23 +392,15 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         self._after_ran = True
 
     def gradient_sync_due(self) -> bool:
-        """Whether the coming backward's gradients are averaged across replicas (:meth:`reduce_gradient` launches)."""
+        """Whether the coming backward's gradients are averaged across replicas."""
         return self._gradient_target() is not None and not self._no_sync
 
-    def reduce_gradient(self, grad: torch.Tensor) -> Callable[[], None] | None:
-        """An executor's slice gradient, reduced inside its mesh: launch its mean across replicas in place
-        on sync steps and return the wait the executor calls before it uses ``grad`` (``None``: nothing launched)."""
-        if not self.gradient_sync_due():
-            return None
-        comm = self._gradient_target()
-        with record_function(SYNC.GRAD_ALLREDUCE.label):
-            work = comm.all_reduce_avg_async(grad)
-
-        def wait() -> None:
-            with comm.blocking(SYNC.GRAD_WAIT):
-                comm.wait(work)
-
-        return wait
+    def reduce_gradient(self, slice_param: torch.Tensor, grad: torch.Tensor) -> None:
+        """An executor's slice gradient, reduced inside its mesh: on a gradient-sync step it joins its bucket
+        (launched across replicas once full, the rest in :meth:`step`) and is averaged there in place."""
+        if self.gradient_sync_due():
+            slice_param.grad = grad  # the bucket writes the mean back into this very tensor
+            self._buckets.mark_ready(slice_param)
 
     def flush(self) -> None:
         """Apply a reconciliation still in flight (``overlap_steps >= 1``) now, e.g. at the end
