@@ -1,4 +1,4 @@
-"""cpdpkit bench hybrid: one quick end-to-end run of three of the four strategies over the emulated ``multisite``
+"""cpdpkit bench hybrid: one quick end-to-end run of four of the five strategies over the emulated ``multisite``
 cluster (the JSON's shape, every strategy ran, the bytes and memory each must account for, the loss
 curves, the plot), the goals' arithmetic, the one-line refusals of bad input (exit 2, before any
 launch) and the sub-command's own options and defaults."""
@@ -33,7 +33,7 @@ def test_quick_hybrid_suite_runs_the_peers_and_ours_and_accounts_for_bytes_and_m
     # One 4-rank job per strategy (most of the time is their start-up): gpt-micro, one period timed. The
     # overlapped variant is left out to save a job: tests/test_sync_sharded.py checks its numerics.
     out, plot = tmp_path / "h.json", tmp_path / "loss.png"
-    ran = ("ddp-global", "hsdp-global", "cpdp-over-hsdp")
+    ran = ("ddp-global", "hsdp-global", "cpdp-over-hsdp", "cpdp-over-two-stage")
     proc = subprocess.run([sys.executable, "-m", "cpdpkit.cli", "bench", "hybrid", "--quick", "--json", str(out),
                            "--plot", str(plot), "--strategies", ",".join(ran)],
                           capture_output=True, text=True, timeout=350)
@@ -80,8 +80,19 @@ def test_quick_hybrid_suite_runs_the_peers_and_ours_and_accounts_for_bytes_and_m
     assert ours["training_state_bytes_per_rank"] - hsdp["training_state_bytes_per_rank"] == 2 * shard
     # DDP and HSDP average the same gradients over the world: the same training
     assert abs(ddp["final_loss"] - hsdp["final_loss"]) <= 1e-4
+    # CPDP over the two-stage executor: the same shard's worth crosses the WAN (its slices: the optimizer state
+    # is sharded over the site's 2 ranks); inside the site the gradient reduce-scatter and the parameter
+    # all-gather each send half the model; it holds the whole model, its gradients and its fp32 slices
+    two = results["cpdp-over-two-stage"]
+    assert two["tier_bytes_per_step"] == {"IB": model_bytes, "WAN": 2 * shard // cfg["period"]}
+    assert two["param_shard_bytes_per_rank"] == model_bytes + shard
+    assert two["optimizer_state_bytes_per_rank"] == two["sync_state_bytes_per_rank"] == 2 * shard
+    assert two["training_state_bytes_per_rank"] == 2 * model_bytes + 5 * shard
+    # CPDP over either layout is the same training
+    assert abs(two["final_loss"] - ours["final_loss"]) <= 1e-4
     goals = report["goals"]
-    assert set(goals) == {"cpdp-over-hsdp"}
+    assert set(goals) == {"cpdp-over-hsdp", "cpdp-over-two-stage"}
+    assert goals["cpdp-over-two-stage"]["training_state_over_hsdp_in_shards"] == 5.0
     g = goals["cpdp-over-hsdp"]
     assert g["step_time_ratio"] == pytest.approx(ours["step_s_median"] / hsdp["step_s_median"])
     assert g["training_state_met"] and g["training_state_over_hsdp_in_shards"] == 2.0
@@ -131,7 +142,8 @@ def test_goals_compare_each_of_ours_with_hsdp_global():
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("args, expect", [
     (["--strategies", "zero1"], "error: unknown strategy 'zero1' for cpdpkit bench hybrid: choose from ddp-global, "
-                                "hsdp-global, cpdp-over-hsdp, cpdp-over-hsdp-overlap"),
+                                "hsdp-global, cpdp-over-hsdp, cpdp-over-hsdp-overlap, "
+                                "cpdp-over-two-stage"),
     (["--strategies", ","], "error: --strategies is empty: e.g. --strategies hsdp-global,cpdp-over-hsdp"),
     (["--model", "resnet50"], "error: unknown model 'resnet50' for cpdpkit bench hybrid: choose one of gpt-tiny, "
                               "gpt-small, gpt-micro"),
@@ -168,7 +180,7 @@ def test_hybrid_help_lists_its_options_and_the_configs_defaults():
     config = HybridBenchConfig()
     documented = {p.name: str(p.show_default).split(";")[0].strip() for p in _hybrid_command().params
                   if isinstance(p.show_default, str)}
-    assert documented.pop("strategies") == "all four" and config.strategies == HYBRID_STRATEGIES
+    assert documented.pop("strategies") == "all five" and config.strategies == HYBRID_STRATEGIES
     assert documented == {name: str(getattr(config, name)) for name in documented}
     assert set(documented) == {"model", "world_size", "topology", "batch_size", "lr", "steps", "period",
                                "overlap_steps"}

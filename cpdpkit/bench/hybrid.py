@@ -22,8 +22,15 @@ Strategies (each its own job over the emulated topology; same GPT, data, seed an
 * ``cpdp-over-hsdp-overlap``: the same with ``overlap_steps`` (τ, default 1): each
   reconciliation's parameter average is applied τ steps after its launch, hiding its WAN time
   behind the next step's compute.
+* ``cpdp-over-two-stage``: both papers' mechanisms: inside each site the sharding paper's
+  :class:`~cpdpkit.planner.executor.TwoStageExecutor` on the planner's plan for one site's ranks
+  (optimizer state sharded across them, parameters replicated, updated slices exchanged under
+  backward and the next forward, the schedule calibrated after the warm-up like the sharding
+  suite's ``two-stage``), and the same ``PeriodicSyncOptimizer`` across sites over the executor's
+  slices (each slice gradient's mean across sites launched under backward). It holds the whole
+  model's parameters (what the site plan replicates), so its state exceeds ``hsdp-global``'s.
 
-Goals (:func:`_goals`; judged for each ``cpdp-over-hsdp*`` strategy that ran beside
+Goals (:func:`_goals`; judged for each ``cpdp-over-*`` strategy that ran beside
 ``hsdp-global``; a strategy that did not run leaves its goals out):
 
 * step time <= 0.5x ``hsdp-global``'s, as ``step_s_median``: the median over the timed periods of
@@ -71,8 +78,8 @@ from cpdpkit.topology import Topology, resolve_topology
 __all__ = ["HYBRID_STRATEGIES", "OURS", "HybridBenchConfig", "HybridReport", "median_period_step_s", "prepare",
            "run_hybrid_bench"]
 
-HYBRID_STRATEGIES = ("ddp-global", "hsdp-global", "cpdp-over-hsdp", "cpdp-over-hsdp-overlap")
-OURS = ("cpdp-over-hsdp", "cpdp-over-hsdp-overlap")
+HYBRID_STRATEGIES = ("ddp-global", "hsdp-global", "cpdp-over-hsdp", "cpdp-over-hsdp-overlap", "cpdp-over-two-stage")
+OURS = ("cpdp-over-hsdp", "cpdp-over-hsdp-overlap", "cpdp-over-two-stage")
 _STEP_TARGET, _LOSS_REL_TARGET = 0.5, 0.02
 _MEMORY_SHARDS = 2  # SlowMo's anchor and slow momentum: one fp32 copy of the parameter shard each
 
@@ -138,6 +145,7 @@ class Prepared:
     topology: Topology  # placed on the suite's world size: >= 2 sites of equal size
     num_params: int
     unit_params: tuple[int, ...]  # FSDP2's units as the suite shards them: every block, then the root
+    site_plan: dict[str, Any] | None = None  # cpdp-over-two-stage's plan for one site's ranks (ShardingPlan.to_dict)
 
     @property
     def num_sites(self) -> int:
@@ -150,12 +158,14 @@ class Prepared:
     def modeled_wan_s_per_step(self, period: int) -> dict[str, float]:
         """The network model's WAN seconds per step if none overlapped compute: hsdp-global all-reduces every
         unit's fp32 gradient shard across the sites each step; cpdp-over-hsdp does so once a period and then
-        averages the whole parameter shard in one buffer."""
+        averages the whole parameter shard in one buffer; cpdp-over-two-stage sends its slices (the same
+        shard) in one gradient bucket, then averages them."""
         replicate = self.topology.group(range(0, self.topology.world_size, self.ranks_per_site))
         shards = [-(-4 * n // self.ranks_per_site) for n in self.unit_params]
         per_step = sum(replicate.cost("all_reduce", b).time_s for b in shards)
-        reconcile = per_step + replicate.cost("all_reduce", sum(shards)).time_s
-        return {"hsdp-global": per_step, "cpdp-over-hsdp": reconcile / period}
+        whole = replicate.cost("all_reduce", sum(shards)).time_s  # the parameter shard in one buffer
+        return {"hsdp-global": per_step, "cpdp-over-hsdp": (per_step + whole) / period,
+                "cpdp-over-two-stage": 2 * whole / period}
 
 
 def prepare(config: HybridBenchConfig) -> Prepared:
@@ -173,7 +183,24 @@ def prepare(config: HybridBenchConfig) -> Prepared:
         model = TinyGPT(gpt_preset(config.model))
     blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
     total = sum(p.numel() for p in model.parameters())
-    return Prepared(topology=topo, num_params=total, unit_params=(*blocks, total - sum(blocks)))
+    site_plan = _site_plan(topo, model) if "cpdp-over-two-stage" in config.strategies else None
+    return Prepared(topology=topo, num_params=total, unit_params=(*blocks, total - sum(blocks)), site_plan=site_plan)
+
+
+def _site_plan(topo: Topology, model: Any) -> dict[str, Any]:
+    """The planner's plan for one site's ranks alone: optimizer state sharded across them, parameters replicated."""
+    from cpdpkit.planner import PlannerConfig, plan_sharding
+
+    ranks = topo.world_size // topo.num_sites  # type: ignore[operator]
+    site = dataclasses.replace(topo, num_sites=1, inter_site_tier=None)
+    config = PlannerConfig(param_dtype="float32", grad_dtype="float32", optim_state_bytes_per_param=8,
+                           shard_size=1, param_sharding="sharded")
+    plan = plan_sharding(model, site, world_size=ranks, config=config)
+    if plan.state_sharding.axis != "replicate" or tuple(plan.mesh.shape) != (ranks, 1):
+        raise ConfigError(f"the planner chose {plan.strategy!r} (mesh {plan.mesh.shape}) for one site of topology "
+                          f"{topo.name!r}, not optimizer-state sharding across the site's {ranks} ranks, which "
+                          "cpdp-over-two-stage needs: drop cpdp-over-two-stage from --strategies")
+    return plan.to_dict()
 
 
 @dataclass(frozen=True)
@@ -249,7 +276,8 @@ def run_hybrid_bench(config: HybridBenchConfig, work_dir: Path,
     prep = prepare(config)
 
     def spec_for(strategy: str) -> dict[str, Any]:
-        return {**config.to_dict(), "strategy": strategy, "suite": "hybrid", "num_sites": prep.num_sites}
+        return {**config.to_dict(), "strategy": strategy, "suite": "hybrid", "num_sites": prep.num_sites,
+                **({"site_plan": prep.site_plan} if strategy == "cpdp-over-two-stage" else {})}
 
     results = run_jobs(config.strategies, work_dir=work_dir, topology=prep.topology, world_size=config.world_size,
                        worker_file=worker.__file__, spec_for=spec_for, emit=emit)

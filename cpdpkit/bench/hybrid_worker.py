@@ -59,11 +59,13 @@ def _state_bytes(opt: torch.optim.Optimizer) -> int:
     return local_bytes(t for state in opt.state.values() for t in state.values())
 
 
-def _memory_report(model: nn.Module, inner: torch.optim.Optimizer, sync: Any = None) -> dict[str, Any]:
-    """The persistent training state on this rank, by part (collective: max over ranks)."""
+def _memory_report(model: nn.Module, inner: torch.optim.Optimizer, sync: Any = None,
+                   master: list[torch.Tensor] = ()) -> dict[str, Any]:
+    """The persistent training state on this rank, by part (collective: max over ranks); ``master``: an
+    executor's fp32 slices, which its optimizer updates (counted with the parameters)."""
     params = list(model.parameters())
     parts = {
-        "param_shard_bytes_per_rank": local_bytes(params),
+        "param_shard_bytes_per_rank": local_bytes([*params, *master]),
         "grad_bytes_per_rank": local_bytes(p.grad for p in params if p.grad is not None),
         "optimizer_state_bytes_per_rank": _state_bytes(inner),
         "sync_state_bytes_per_rank": local_bytes(_tensors(sync.state_dict()["cpdpkit"])) if sync is not None else 0,
@@ -120,10 +122,36 @@ def _sharded_run(spec: dict[str, Any], model: nn.Module) -> Run:
                report=lambda: _memory_report(model, inner_opt, sync))
 
 
+def _two_stage_run(spec: dict[str, Any], model: nn.Module) -> Run:
+    """cpdp-over-two-stage: a TwoStageExecutor on each site's ranks (the site plan) + CPDP across sites."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from cpdpkit.planner import ShardingPlan
+    from cpdpkit.planner.executor import TwoStageExecutor
+    from cpdpkit.sync import PeriodicSyncOptimizer
+
+    sites = spec["num_sites"]
+    mesh = init_device_mesh("cpu", (sites, dist.get_world_size() // sites, 1),
+                            mesh_dim_names=("site", "replicate", "shard"))
+    ex = TwoStageExecutor(model, ShardingPlan.from_dict(spec["site_plan"]), optimizer_factory(spec),
+                          mesh=mesh["replicate", "shard"])
+    sync = PeriodicSyncOptimizer(ex.optimizer, model=ex, group=mesh["site"].get_group(), strategy="cpdp",
+                                 period=spec["period"])
+
+    def after_warmup() -> None:  # the sharding suite's calibration: its schedule from this machine's timings
+        ex.calibrate()
+        ex.reset_stats()
+
+    return Run(step=optimizer_step(model, sync), state_bytes=lambda: _state_bytes(ex.optimizer),
+               after_warmup=after_warmup, report=lambda: _memory_report(model, ex.optimizer, sync, ex.slice_params))
+
+
 def _setup(spec: dict[str, Any], model: nn.Module, priming_batch: tuple[torch.Tensor, torch.Tensor]) -> Run:
     """This run's strategy on this rank."""
     if spec["strategy"] == "ddp-global":
         return _ddp_run(spec, model)
+    if spec["strategy"] == "cpdp-over-two-stage":
+        return _two_stage_run(spec, model)
     return _sharded_run(spec, model)
 
 

@@ -88,7 +88,7 @@ def _table(report: HybridReport) -> Table:
 def goal_lines(goals: dict[str, Any]) -> list[str]:
     """The goals block: each of ours against hsdp-global (see cpdpkit.bench.hybrid._goals)."""
     if not goals:
-        return ["goals: none to judge (hsdp-global or a cpdp-over-hsdp strategy did not run)"]
+        return ["goals: none to judge (hsdp-global or a cpdp-over-* strategy did not run)"]
     lines = []
     for name, g in goals.items():
         lines += [
@@ -115,10 +115,12 @@ def plot_loss_curves(report: dict[str, Any], path: Path) -> None:
 
     cfg = report["config"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in report["results"]:
+    styles = ("-", "--", ":", "-.")
+    for i, r in enumerate(report["results"]):
         curve = r.get("loss_curve_rank_mean") or []
-        if curve:
-            ax.plot(range(1, len(curve) + 1), curve, marker=".", label=r["strategy"])
+        if curve:  # wide solid lines first, narrower dashed ones over them: equal curves stay visible
+            ax.plot(range(1, len(curve) + 1), curve, marker=".", label=r["strategy"], linestyle=styles[i % 4],
+                    linewidth=max(0.8, 3.0 - 0.5 * i))
     if cfg["warmup_steps"]:
         ax.axvline(cfg["warmup_steps"] + 0.5, color="grey", linestyle="--", linewidth=1)
     ax.set_xlabel("step")

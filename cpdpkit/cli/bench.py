@@ -257,7 +257,8 @@ def sharding(
 @bench_app.command("hybrid")
 def hybrid(
     strategies: str | None = typer.Option(None, help="Comma-separated subset of ddp-global, hsdp-global, "
-                                             "cpdp-over-hsdp, cpdp-over-hsdp-overlap.", show_default="all four"),
+                                             "cpdp-over-hsdp, cpdp-over-hsdp-overlap, cpdp-over-two-stage.",
+                                          show_default="all five"),
     model: str | None = typer.Option(None, help="gpt-tiny | gpt-small | gpt-micro.",
                                         show_default="gpt-micro"),
     world_size: int | None = typer.Option(None, help="Ranks per run (>= 2 sites of the topology).",
@@ -269,8 +270,8 @@ def hybrid(
     lr: float | None = typer.Option(None, help="AdamW's learning rate.", show_default="0.003"),
     steps: int | None = typer.Option(None, help="Timed steps, a multiple of --period, after one period of warm-up "
                                         "steps.", show_default="24; --quick: one period"),
-    period: int | None = typer.Option(None, help="K of cpdp-over-hsdp: steps between reconciliations across "
-                                         "sites.", show_default="4"),
+    period: int | None = typer.Option(None, help="K of the cpdp-over-* strategies: steps between reconciliations "
+                                         "across sites.", show_default="4"),
     overlap_steps: int | None = typer.Option(None, help="τ of cpdp-over-hsdp-overlap: each parameter average is "
                                                 "applied this many steps after its launch.", show_default="1"),
     quick: bool = typer.Option(False, "--quick", help="A small smoke run: one period timed (each "
@@ -280,8 +281,8 @@ def hybrid(
     plot: str | None = typer.Option(None, "--plot", help="Plot every strategy's loss per step to FILE.png."),
     work_dir: str | None = typer.Option(None, help="Keep per-run folders here (default: a temp dir)."),
 ) -> None:
-    """CPDP over HSDP (FSDP2 inside a site, CPDP across sites) against global DDP and global HSDP on a small GPT
-    over an emulated two-site cluster; compare them."""
+    """CPDP over HSDP (FSDP2 inside a site, CPDP across sites) and over the two-stage executor, against global DDP
+    and global HSDP on a small GPT over an emulated two-site cluster; compare them."""
     config = hybrid_config(strategies=strategies, model=model, world_size=world_size, topology=topology,
                            batch_size=batch_size, lr=lr, steps=steps, period=period, overlap_steps=overlap_steps,
                            quick=quick, profile=profile)
