@@ -410,6 +410,8 @@ class SliceExecutor(ExecutorStateMixin):
     def step(self) -> float | None:
         """Finish the step: (clip,) update and exchange what backward has not; returns the global norm when clipping."""
         self._before_step()
+        for u in self._units:  # a slice holds a .grad only while it is updated (one inner step() each);
+            u.slice_param.grad = None  # an outer optimizer's gradient buckets may have left theirs there
         if self.max_grad_norm is not None and self._coef is None:
             self._clip_norm()
         defer = self._defers()

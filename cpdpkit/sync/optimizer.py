@@ -332,10 +332,7 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         syncs = self.config.kind_syncs_gradients(kind)
         target = self._gradient_target()
         if self._buckets is not None and target is not None:
-            self._buckets.finish(target)
-            if self._executor is not None:  # the means are in the executor's own gradient tensors; it
-                for p in self._params:      # updates one slice at a time, each given its .grad then
-                    p.grad = None
+            self._buckets.finish(target)  # an executor's: the means land in its own gradient tensors
         elif self._shard_grads is not None:
             self._shard_grads.finish()
         elif self._ddp is not None and syncs:  # DDP's reducer sent them; count its payload
