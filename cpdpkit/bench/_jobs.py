@@ -28,7 +28,7 @@ from cpdpkit.bench._rank_io import RESULT_FILE, SPEC_FILE, finish_rank
 from cpdpkit.topology import Topology
 
 __all__ = ["Run", "run_jobs", "run_rank", "optimizer_for", "optimizer_factory", "optimizer_step", "fully_shard_blocks",
-           "max_over_ranks", "mean_over_ranks", "mean_list_over_ranks", "local_bytes"]
+           "ddp_over_blocks", "max_over_ranks", "mean_over_ranks", "mean_list_over_ranks", "local_bytes"]
 
 TIER_NAMES = ("NVLINK", "IB", "WAN", "LAN", "LOCAL")
 
@@ -126,6 +126,16 @@ def fully_shard_blocks(model: torch.nn.Module, mesh: Any) -> None:
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+
+
+def ddp_over_blocks(model: torch.nn.Module) -> Any:
+    """DDP as the suites' peers use it: buckets of one block's bytes (a model without blocks: one bucket)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    blocks = getattr(model, "blocks", None)
+    unit = blocks[0] if blocks else model
+    cap_mb = sum(p.numel() * p.element_size() for p in unit.parameters()) / 2**20
+    return DistributedDataParallel(model, bucket_cap_mb=cap_mb, gradient_as_bucket_view=True)
 
 
 def local_bytes(tensors: Iterable[Any]) -> int:

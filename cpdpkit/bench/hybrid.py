@@ -72,6 +72,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cpdpkit.bench.report import SuiteReport
 from cpdpkit.errors import ConfigError
 from cpdpkit.topology import Topology, resolve_topology
 
@@ -203,14 +204,7 @@ def _site_plan(topo: Topology, model: Any) -> dict[str, Any]:
     return plan.to_dict()
 
 
-@dataclass(frozen=True)
-class HybridReport:
-    config: dict[str, Any]
-    results: tuple[dict[str, Any], ...]
-    goals: dict[str, Any]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"config": self.config, "results": list(self.results), "goals": self.goals}
+HybridReport = SuiteReport  # {"config", "results", "goals"}: docs/json.md
 
 
 def _ratio(a: float, b: float) -> float:

@@ -32,6 +32,7 @@ from torch import nn
 
 from cpdpkit.bench._jobs import (
     Run,
+    ddp_over_blocks,
     fully_shard_blocks,
     local_bytes,
     max_over_ranks,
@@ -77,12 +78,11 @@ def _memory_report(model: nn.Module, inner: torch.optim.Optimizer, sync: Any = N
 
 def _ddp_run(spec: dict[str, Any], model: nn.Module) -> Run:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-    from torch.nn.parallel import DistributedDataParallel
 
-    from cpdpkit.bench.zero_peers import _bucket_cap_mb, _WaitClock
+    from cpdpkit.bench.zero_peers import WaitClock
 
-    clock = _WaitClock()
-    ddp = DistributedDataParallel(model, bucket_cap_mb=_bucket_cap_mb(model), gradient_as_bucket_view=True)
+    clock = WaitClock()
+    ddp = ddp_over_blocks(model)
     ddp.register_comm_hook(None, clock.timed(allreduce_hook))
     opt = optimizer_factory(spec)(ddp.parameters())
 

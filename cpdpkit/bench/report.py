@@ -21,8 +21,21 @@ import statistics
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-__all__ = ["StrategyResult", "BenchReport", "aggregate", "paired_difference", "run_topology", "significant",
-           "t_quantile_975"]
+__all__ = ["StrategyResult", "BenchReport", "SuiteReport", "aggregate", "paired_difference", "run_topology",
+           "significant", "t_quantile_975"]
+
+@dataclass(frozen=True)
+class SuiteReport:
+    """What ``cpdpkit bench sharding`` and ``cpdpkit bench hybrid`` return: one result per strategy's job and
+    the goals judged on them (``to_dict()`` is their ``--json`` schema, docs/json.md)."""
+
+    config: dict[str, Any]
+    results: tuple[dict[str, Any], ...]
+    goals: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": self.config, "results": list(self.results), "goals": self.goals}
+
 
 _MEAN_KEYS = ("peak_test_acc", "final_test_acc", "wall_s", "step_s", "exposed_sync_s_per_step",
               "bytes_per_step", "collectives_per_step")

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cpdpkit.bench.gpt import gpt_preset
+from cpdpkit.bench.report import SuiteReport
 from cpdpkit.errors import ConfigError
 from cpdpkit.topology import Tier, Topology, resolve_topology
 
@@ -217,14 +218,7 @@ def unsupported_reason(strategy: str, config: ShardingBenchConfig) -> str | None
     return None
 
 
-@dataclass(frozen=True)
-class ShardingReport:
-    config: dict[str, Any]
-    results: tuple[dict[str, Any], ...]
-    goals: dict[str, Any]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"config": self.config, "results": list(self.results), "goals": self.goals}
+ShardingReport = SuiteReport  # {"config", "results", "goals"}: docs/json.md
 
 
 _STEP_TARGET, _HSDP_COMM_TARGET, _LOSS_TARGET, _BYTES_TARGET, _STAGE1_TARGET = 0.85, 0.5, 1e-4, 1.01, 1.0

@@ -35,7 +35,7 @@ exists; the suite marks that run ``unsupported`` (:data:`OVERLAP_CLIP_REASON`) a
 
 **Exposed communication.** DDP's reducer waits for its all-reduce futures in C++ (not through the
 emulated backend's ``Work.wait``, which the suite's meter counts), so this module clocks those
-waits itself (:class:`_WaitClock`): the wait of ``backward()`` after the last bucket's hook
+waits itself (:class:`WaitClock`): the wait of ``backward()`` after the last bucket's hook
 returned (DDP's ``finalize_backward``), and, for ``zero1-overlap``, the hook's own waits on the
 all-reduce futures. ZeRO's broadcasts are waited through ``Work.wait`` and counted by the meter;
 the two never overlap in time, so their sum is the training thread's blocked time.
@@ -52,8 +52,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cpdpkit.bench._jobs import ddp_over_blocks
+
 __all__ = ["ZERO_STRATEGIES", "OVERLAP_PRIMING_STEPS", "OVERLAP_CLIP_REASON", "ZeroPeer", "ZeroPeerUnsupported",
-           "build_zero_peer"]
+           "WaitClock", "build_zero_peer"]
 
 ZERO_STRATEGIES = ("zero1", "zero1-overlap")
 OVERLAP_PRIMING_STEPS = 2  # DDP rebuilds its buckets after iteration 1; ZeRO initialises in iteration 2
@@ -78,7 +80,7 @@ class ZeroPeer:
 class _TimedFuture(torch.futures.Future):
     """A future completed with another's value whose Python ``wait()`` is clocked."""
 
-    def __init__(self, clock: _WaitClock) -> None:
+    def __init__(self, clock: WaitClock) -> None:
         super().__init__()
         self.clock = clock
 
@@ -90,7 +92,7 @@ class _TimedFuture(torch.futures.Future):
             self.clock.waited_s += time.perf_counter() - start
 
 
-class _WaitClock:
+class WaitClock:
     """Seconds the training thread waits for DDP's all-reduce futures outside ``Work.wait``."""
 
     def __init__(self) -> None:
@@ -139,12 +141,6 @@ def _state_bytes(optimizer: Any) -> int:
                for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
 
 
-def _bucket_cap_mb(model: nn.Module) -> float:
-    blocks = getattr(model, "blocks", None)
-    unit = blocks[0] if blocks else model
-    return sum(p.numel() * p.element_size() for p in unit.parameters()) / 2**20
-
-
 def build_zero_peer(strategy: str, model: nn.Module, *, optimizer_class: type[torch.optim.Optimizer],
                     optimizer_kwargs: dict[str, Any], max_grad_norm: float | None,
                     priming_batch: tuple[torch.Tensor, torch.Tensor]) -> ZeroPeer:
@@ -155,15 +151,14 @@ def build_zero_peer(strategy: str, model: nn.Module, *, optimizer_class: type[to
     refuses the peer on this backend or with clipping.
     """
     from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel
 
     if strategy not in ZERO_STRATEGIES:
         raise ValueError(f"strategy {strategy!r} is not a ZeRO peer: use one of {', '.join(ZERO_STRATEGIES)}")
     overlap = strategy == "zero1-overlap"
     if overlap and max_grad_norm is not None:
         raise ZeroPeerUnsupported(OVERLAP_CLIP_REASON)
-    clock = _WaitClock()
-    ddp = DistributedDataParallel(model, bucket_cap_mb=_bucket_cap_mb(model), gradient_as_bucket_view=True)
+    clock = WaitClock()
+    ddp = ddp_over_blocks(model)
     zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=optimizer_class, overlap_with_ddp=overlap,
                                    parameters_as_bucket_view=not overlap, **optimizer_kwargs)
     if overlap:
