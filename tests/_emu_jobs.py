@@ -233,7 +233,9 @@ def profiler_events(rank: int, out: str, gloo: Any) -> dict[str, Any]:
         kwargs = {"experimental_config": config} if config is not None else {}
         with torch.profiler.profile(**kwargs) as prof:
             dist.barrier(gloo)  # the event runs from this rank's arrival: arrive together
+            start_s = time.monotonic()
             dist.all_reduce(x)
+            call_us = (time.monotonic() - start_s) * 1e6
         path = os.path.join(out, f"trace-{mode}-{rank}.json")
         prof.export_chrome_trace(path)
         trace = json.loads(Path(path).read_text())
@@ -242,7 +244,8 @@ def profiler_events(rank: int, out: str, gloo: Any) -> dict[str, Any]:
         emu = [e for e in trace["traceEvents"] if e.get("name", "").startswith("cpdpkit::emu::")]
         found[mode] = [{"name": e["name"], "dur_us": e["dur"], "cat": e.get("cat"),
                         "thread": names.get((e.get("pid"), e.get("tid")), str(e.get("tid"))),
-                        "on_issuing_thread": e.get("tid") == threading.get_native_id()} for e in emu]
+                        "on_issuing_thread": e.get("tid") == threading.get_native_id(),
+                        "call_us": call_us} for e in emu]
     return found
 
 
@@ -251,8 +254,11 @@ def counters(gloo: Any) -> dict[str, Any]:
     x = torch.ones(TIMED_BYTES // 4)
     dist.barrier(gloo)
     with meter() as m:
+        start_s = time.monotonic()
         dist.all_reduce(x)
-    return {"tier_bytes": m.bytes_by_tier, "blocked_s": m.blocked_s, "modeled_s": m.modeled_s_by_tier}
+        call_s = time.monotonic() - start_s
+    return {"tier_bytes": m.bytes_by_tier, "blocked_s": m.blocked_s, "modeled_s": m.modeled_s_by_tier,
+            "call_s": call_s}
 
 
 def meter_semantics() -> dict[str, Any]:
@@ -261,13 +267,17 @@ def meter_semantics() -> dict[str, Any]:
     with meter() as outer:
         dist.all_reduce(x)
         sub = dist.new_group([0, 1])  # created inside the block: counts from zero
+        dist.barrier(group=sub)  # a new group's first collective may pay for set-up in its issue
         with meter() as inner:
+            start_s = time.monotonic()
             dist.all_reduce(x, group=sub)
+            all_reduce_call_s = time.monotonic() - start_s
             other = threading.Thread(target=lambda: dist.broadcast(x, src=0, group=sub))
             other.start()
             other.join()  # its wait blocks the other thread, not this one
     return {"meter_outer_ops": outer.op_counts, "meter_inner_ops": inner.op_counts,
-            "meter_inner_bytes": inner.bytes_by_tier, "meter_inner_blocked_s": inner.blocked_s}
+            "meter_inner_bytes": inner.bytes_by_tier, "meter_inner_blocked_s": inner.blocked_s,
+            "meter_all_reduce_call_s": all_reduce_call_s}
 
 
 def jittered_collectives(rank: int, world: int, gloo: Any) -> dict[str, Any]:

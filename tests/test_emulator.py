@@ -27,6 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
 
 TIMED_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 BARRIER_SKEW_S = 0.005
+CLOCK = 1.01  # the profiler's approximate (cycle-counter) clock and time.monotonic may differ by ~0.5 %
 PATH_KINDS = {"all_reduce": 2, "all_gather": 2, "reduce_scatter": 2, "broadcast": 1, "barrier": 2,
               "all_to_all": 1, "send_recv": 1}
 
@@ -112,7 +113,13 @@ def test_profiler_event_follows_the_contract(two: list[dict[str, Any]]) -> None:
             assert match, event["name"]
             assert float(match["us"]) == pytest.approx(modeled_us, abs=0.1)
             assert event["cat"] == "user_annotation"
-            assert modeled_us * 0.9 <= event["dur_us"] <= modeled_us * 1.15
+            # The event ends at the modeled end, inside the issuing thread's call (which also holds
+            # a peer's late barrier exit and wake-ups): an upper bound load cannot break.
+            # test_two_rank_time_matches_model judges the time against the model. With all
+            # threads profiled the event opens when the link's thread takes the booking up, which
+            # on 2 loaded cores has been 7 ms after the issue: hence the lower bound's margin.
+            low = 0.8 if mode == "all_threads" else 0.9
+            assert modeled_us * low <= event["dur_us"] <= event["call_us"] * CLOCK, (event, modeled_us)
         assert not rank["profiler"]["all_threads"][0]["on_issuing_thread"]  # on the link's thread
         assert rank["profiler"]["default"][0]["on_issuing_thread"]
 
@@ -122,19 +129,23 @@ def test_counters_see_one_all_reduce(two: list[dict[str, Any]]) -> None:
     for rank in two:
         assert rank["tier_bytes"] == {"WAN": jobs.TIMED_BYTES}  # ring all-reduce: 2(p-1)/p·n = n on 2 ranks
         assert rank["modeled_s"] == {"WAN": pytest.approx(modeled, rel=1e-12)}  # a steady tier: the mean
-        assert modeled * 0.9 <= rank["blocked_s"] <= modeled * 1.2, (rank["blocked_s"], modeled)
+        # the wait is part of the call, which also holds the barrier's exit skew
+        assert modeled * 0.9 <= rank["blocked_s"] <= rank["call_s"], (rank["blocked_s"], rank["call_s"], modeled)
 
 
 def test_meter_nests_counts_new_groups_and_times_only_its_thread(two: list[dict[str, Any]]) -> None:
     n = jobs.METER_BYTES
     all_reduce_s, broadcast_s = _modeled_s("all_reduce", 2, n), _modeled_s("broadcast", 2, n)
     for rank in two:
-        assert rank["meter_outer_ops"] == {"all_reduce": 2, "broadcast": 1}
+        assert rank["meter_outer_ops"] == {"all_reduce": 2, "barrier": 1, "broadcast": 1}
         assert rank["meter_inner_ops"] == {"all_reduce": 1, "broadcast": 1}
         wan = jobs.TEST_TOPOLOGY.place(2).group((0, 1))
         assert rank["meter_inner_bytes"] == {"WAN": wan.wire_bytes("all_reduce", n) + wan.wire_bytes("broadcast", n)}
-        # the broadcast was waited on by another thread: only the all-reduce blocked this one
-        assert all_reduce_s * 0.9 <= rank["meter_inner_blocked_s"] <= all_reduce_s * 1.2 < all_reduce_s + broadcast_s
+        # the broadcast was waited on by another thread: only the all-reduce blocked this one. Its
+        # wait (with any wait for the peer) lies inside its call; the broadcast's would add
+        # >= broadcast_s, far more than the call spends outside its wait
+        blocked_s, call_s = rank["meter_inner_blocked_s"], rank["meter_all_reduce_call_s"]
+        assert all_reduce_s * 0.9 <= blocked_s <= call_s, (blocked_s, call_s, all_reduce_s, broadcast_s)
 
 
 def test_every_rank_of_a_group_samples_the_same_jittered_time(two: list[dict[str, Any]]) -> None:
