@@ -190,6 +190,7 @@ def executor(rank: int, tmp: str, replicate: Any, sites: list[Any]) -> dict[str,
             out[key].append((in_backward, opt2.stats.gradient_syncs - before.gradient_syncs))
         ex2.wait_exchanges()
         out[key + "_params"] = full(ex2.model)
+    out.update(partial_executor(rank, spec, config, site_mesh, cross))
     ckpt = Checkpointer(Path(tmp) / "ckpt-ex", every=3, timeout_s=60)
     a, opt_a = build(overlap_steps=1)
     train(a.model, opt_a, rank, range(3), 5)
@@ -202,6 +203,32 @@ def executor(rank: int, tmp: str, replicate: Any, sites: list[Any]) -> dict[str,
     out["ex_straight_loss"] = train(a.model, opt_a, rank, range(3, STEPS), 5)
     opt_a.flush()
     out["ex_straight"] = full(a.model)
+    return out
+
+
+def partial_executor(rank: int, spec: nn.Module, config: Any, site_mesh: Any, cross: Any) -> dict[str, Any]:
+    """cpdp K=4 over a PartialShardExecutor per site: the site's 2 ranks as 2 nodes of 1 rank (the
+    `multisite` layout), so gradients are reduce-scattered and slices all-gathered inside the site."""
+    import dataclasses
+
+    import _planner_jobs as pj
+    from cpdpkit.planner import plan_sharding
+    from cpdpkit.planner.partial import PartialShardExecutor
+    from cpdpkit.sync import PeriodicSyncOptimizer
+    from cpdpkit.topology import resolve_topology
+
+    plan = plan_sharding(spec, resolve_topology("cluster", world_size=2, ranks_per_node=1), world_size=2,
+                         config=dataclasses.replace(config, param_sharding="replicated"))
+    ex = PartialShardExecutor(pj.make_net(), plan, lambda g: torch.optim.AdamW(g, lr=0.01, weight_decay=0.1),
+                              mesh=site_mesh)
+    opt = PeriodicSyncOptimizer(ex.optimizer, model=ex, group=cross, strategy="cpdp", period=4, warmup_steps=1,
+                                timeout_s=60)
+    out: dict[str, Any] = {"partial_mesh": tuple(plan.mesh.shape)}
+    out["partial_loss"] = train(ex.model, opt, rank, range(STEPS), 5)
+    ex.wait_exchanges()
+    out["partial"] = full(ex.model)
+    out["partial_stats"] = opt.stats
+    out["partial_slice_numel"] = sum(p.numel() for p in ex.slice_params)
     return out
 
 

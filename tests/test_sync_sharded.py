@@ -111,3 +111,14 @@ def test_cpdp_over_a_two_stage_executor_per_site_equals_the_plain_path(ranks: li
         assert r["ex_restored"] == 3
         assert r["ex_resumed_loss"] == r["ex_straight_loss"]
         assert _same(r["ex_resumed"], r["ex_straight"])
+
+
+def test_cpdp_over_a_partial_shard_executor_per_site_equals_the_plain_path(ranks: list[dict]) -> None:
+    for r in ranks:
+        assert r["partial_mesh"] == (2, 1)  # the site's 2 nodes: gradients and slices split across them
+        for ours, ref in zip(r["partial"], r["ex_ref"]):
+            torch.testing.assert_close(ours, ref, rtol=0, atol=1e-6)
+        assert r["partial_loss"] == pytest.approx(r["ex_ref_loss"], abs=1e-6)
+        stats = r["partial_stats"]
+        assert (stats.gradient_syncs, stats.reconciliations) == (2, 1)
+        assert stats.bytes_sent == 3 * r["partial_slice_numel"] * 4  # only this rank's slices cross sites

@@ -20,10 +20,10 @@ reconciliation's anchor (:mod:`cpdpkit.sync._reconcile` has the whole formula). 
 
 **Across sites, sharded inside each** (:mod:`cpdpkit.sync._sharded`): ``model`` may be an FSDP2
 module sharded over one site (``fully_shard(..., mesh=mesh["shard"])``) or a
-:class:`~cpdpkit.planner.TwoStageExecutor` built on one site's sub-mesh, with ``group`` the
-cross-site replicate group; every step synchronises inside the site as FSDP2 (or the executor) does,
-and every K steps the reconciliation runs over ``group`` on this rank's shard only. SlowMo's anchor
-and momentum are then shard-sized::
+:class:`~cpdpkit.planner.TwoStageExecutor` (or ``PartialShardExecutor``) built on one site's
+sub-mesh, with ``group`` the cross-site replicate group; every step synchronises inside the site
+as FSDP2 (or the executor) does, and every K steps the reconciliation runs over ``group`` on this
+rank's shard only. SlowMo's anchor and momentum are then shard-sized::
 
     mesh = init_device_mesh("cpu", (num_sites, ranks_per_site), mesh_dim_names=("replicate", "shard"))
     fully_shard(model, mesh=mesh["shard"])          # (and each block first)
@@ -84,8 +84,8 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
             groups added; LR schedulers attach to it or to this wrapper).
         model: the module whose parameters the optimizer trains: a plain ``nn.Module``, a
             ``DistributedDataParallel``, an FSDP2 module sharded inside one replica (a site), or a
-            ``TwoStageExecutor`` on one site's sub-mesh (then ``optimizer`` is ``executor.optimizer``
-            and the loop calls this wrapper's ``zero_grad``/``step``, not the executor's).
+            ``TwoStageExecutor`` or ``PartialShardExecutor`` on one site's sub-mesh (then ``optimizer``
+            is ``executor.optimizer`` and the loop calls this wrapper's ``zero_grad``/``step``, not the executor's).
         config: a :class:`~cpdpkit.sync.SyncConfig` (strategy, period or ``"auto"``, warm-up,
             SlowMo's β and α, buffer and optimizer-state policies, bucket size, timeout,
             ``overlap_steps``, the controller's ``target_exposed_frac``, ``k_min``, ``k_max``,
