@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import threading
 import time
 from collections import Counter
@@ -48,7 +47,9 @@ NUM_JITTER_CALLS = 4
 TIMED_BYTES = 1024 * 1024
 FOUR_RANK_BYTES = 1024 * 1024
 NUM_TIMED_RUNS = 5
+OVERLAP_COMPUTE_S = 0.05  # a busy loop until this much wall time has passed
 METER_BYTES = 1024
+CALL_LABEL = "test::all_reduce_call"
 
 
 def spawn_job(job: str, world_size: int, tmp_path: Path, timeout_s: float = 150.0) -> list[dict[str, Any]]:
@@ -83,10 +84,6 @@ def _timed_runs(op: Callable[[], Any], gloo: Any) -> list[float]:
     return times
 
 
-def _timed(op: Callable[[], Any], gloo: Any) -> float:
-    return statistics.median(_timed_runs(op, gloo))
-
-
 def collective_times(world: int, gloo: Any, num_bytes: int = TIMED_BYTES) -> dict[str, list[float]]:
     """Every run's seconds of all_reduce, all_gather and reduce_scatter of ``num_bytes`` on the emulated
     world (timed between barriers on ``gloo``)."""
@@ -108,19 +105,16 @@ def _busy_compute(seconds: float) -> None:
         a = torch.tanh(a @ a)
 
 
-def overlap_times(gloo: Any) -> dict[str, float]:
-    """(compute, comm, overlapped step) medians: the step computes while an all-reduce runs."""
+def overlap_times(gloo: Any) -> dict[str, Any]:
+    """Every run of a step that computes (a busy loop of OVERLAP_COMPUTE_S) while an all-reduce runs."""
     x = torch.ones(TIMED_BYTES // 4)
-    compute_s = 0.05
-    comm = _timed(lambda: dist.all_reduce(x), gloo)
-    compute = _timed(lambda: _busy_compute(compute_s), gloo)
 
     def step() -> None:
         work = dist.all_reduce(x, async_op=True)
-        _busy_compute(compute_s)
+        _busy_compute(OVERLAP_COMPUTE_S)
         work.wait()
 
-    return {"compute_s": compute, "comm_s": comm, "step_s": _timed(step, gloo)}
+    return {"step_s": _timed_runs(step, gloo)}
 
 
 def _train(model: torch.nn.Module, rank: int, steps: int,
@@ -233,15 +227,15 @@ def profiler_events(rank: int, out: str, gloo: Any) -> dict[str, Any]:
         kwargs = {"experimental_config": config} if config is not None else {}
         with torch.profiler.profile(**kwargs) as prof:
             dist.barrier(gloo)  # the event runs from this rank's arrival: arrive together
-            start_s = time.monotonic()
-            dist.all_reduce(x)
-            call_us = (time.monotonic() - start_s) * 1e6
+            with torch.profiler.record_function(CALL_LABEL):  # the call, timed by the profiler's own clock
+                dist.all_reduce(x)
         path = os.path.join(out, f"trace-{mode}-{rank}.json")
         prof.export_chrome_trace(path)
         trace = json.loads(Path(path).read_text())
         names = {(e.get("pid"), e.get("tid")): e["args"]["name"] for e in trace["traceEvents"]
                  if e.get("ph") == "M" and e.get("name") == "thread_name"}
         emu = [e for e in trace["traceEvents"] if e.get("name", "").startswith("cpdpkit::emu::")]
+        (call_us,) = [e["dur"] for e in trace["traceEvents"] if e.get("name") == CALL_LABEL]
         found[mode] = [{"name": e["name"], "dur_us": e["dur"], "cat": e.get("cat"),
                         "thread": names.get((e.get("pid"), e.get("tid")), str(e.get("tid"))),
                         "on_issuing_thread": e.get("tid") == threading.get_native_id(),
@@ -291,10 +285,13 @@ def jittered_collectives(rank: int, world: int, gloo: Any) -> dict[str, Any]:
         for _ in range(NUM_JITTER_CALLS):
             dist.barrier(gloo)
             with meter(group) as m:
-                t0 = time.perf_counter()
+                t0 = time.monotonic()
                 dist.all_reduce(x, group=group)
-                measured_s = time.perf_counter() - t0
-            calls.append({"measured_s": measured_s, "modeled_s": m.modeled_s_by_tier})
+                done_s = time.monotonic()
+            starts = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+            dist.all_gather(starts, torch.tensor([t0], dtype=torch.float64), group=gloo)
+            # from the later rank's issue (one monotonic clock for the host's processes)
+            calls.append({"measured_s": done_s - max(float(t) for t in starts), "modeled_s": m.modeled_s_by_tier})
         with meter(group) as p2p:
             if rank == 0:
                 dist.send(x, dst=1, group=group)

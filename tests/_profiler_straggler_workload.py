@@ -5,15 +5,18 @@ then a blocking gloo all-reduce. So every other rank reaches each all-reduce abo
 ``DELAY_MS`` before the late one and waits for it inside the collective. Writes
 ``OUT_DIR/rank<R>.pt.trace.json`` (via ``cpdpkit.tracing``) recording ``STEPS`` steps after one
 wait and one warm-up step, so the profiler's start-up (which differs between processes) is
-not in the recorded arrivals.
+not in the recorded arrivals; and the truth, ``OUT_DIR.arrivals-rank<R>.json``: the monotonic
+time (one clock for all processes of the host) of every step's all-reduce call, recorded steps only.
 
 usage: python _profiler_straggler_workload.py RANK WORLD STORE_FILE OUT_DIR LATE_RANK DELAY_MS STEPS
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -34,12 +37,15 @@ def main() -> None:
     dist.barrier()
     schedule = default_schedule(wait=1, warmup=1, active=steps)
     with trace_rank(out, schedule=schedule, run_info={"strategy": "straggler", "world_size": world}) as prof:
+        arrivals = []
         for _ in range(steps + 2):
             torch.mm(a, a)
             if rank == late:
                 time.sleep(delay_s)
+            arrivals.append(time.monotonic())
             dist.all_reduce(grad)
             prof.step()
+    Path(f"{out}.arrivals-rank{rank}.json").write_text(json.dumps(arrivals[2:]))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -27,7 +28,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
 
 TIMED_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 BARRIER_SKEW_S = 0.005
-CLOCK = 1.01  # the profiler's approximate (cycle-counter) clock and time.monotonic may differ by ~0.5 %
+# a profiler event closed by the link's thread may end after the waiter's call: its wake-up after
+# the modeled end, and the profiler's clock read on another core (up to 1.1 ms seen on 2 cores)
+LINK_THREAD_US = 5000.0
 PATH_KINDS = {"all_reduce": 2, "all_gather": 2, "reduce_scatter": 2, "broadcast": 1, "barrier": 2,
               "all_to_all": 1, "send_recv": 1}
 
@@ -69,11 +72,15 @@ def test_four_rank_time_matches_model(four: list[dict[str, Any]], op: str) -> No
 
 
 def test_async_all_reduce_overlaps_compute(two: list[dict[str, Any]]) -> None:
+    comm, compute = _modeled_s("all_reduce", 2, jobs.TIMED_BYTES), jobs.OVERLAP_COMPUTE_S
+    longer, total = max(compute, comm), compute + comm
     for rank in two:
-        o = rank["overlap"]
-        longer, total = max(o["compute_s"], o["comm_s"]), o["compute_s"] + o["comm_s"]
-        assert longer * 0.98 <= o["step_s"] <= longer + 0.15 * min(o["compute_s"], o["comm_s"]) + 0.005, o
-        assert o["step_s"] < 0.8 * total, o
+        runs = rank["overlap"]["step_s"]
+        # no run beats the longer of the two (the busy loop runs to a deadline; the all-reduce
+        # completes no earlier than its model); the best run, which load only slows, hides the
+        # shorter one: close to the longer, far from their sum
+        assert 0.99 * longer <= min(runs) <= longer + 0.15 * min(compute, comm) + 0.005, (runs, comm, compute)
+        assert min(runs) < 0.8 * total, (runs, comm, compute)
 
 
 def test_ddp_and_plain_all_reduce_are_bit_identical(two: list[dict[str, Any]]) -> None:
@@ -113,13 +120,14 @@ def test_profiler_event_follows_the_contract(two: list[dict[str, Any]]) -> None:
             assert match, event["name"]
             assert float(match["us"]) == pytest.approx(modeled_us, abs=0.1)
             assert event["cat"] == "user_annotation"
-            # The event ends at the modeled end, inside the issuing thread's call (which also holds
-            # a peer's late barrier exit and wake-ups): an upper bound load cannot break.
+            # The event ends at the modeled end, as the issuing thread's call does (which also holds a
+            # peer's late barrier exit; both timed by the profiler), but closed by the link's thread
+            # after its own wake-up and read on another core: hence LINK_THREAD_US.
             # test_two_rank_time_matches_model judges the time against the model. With all
             # threads profiled the event opens when the link's thread takes the booking up, which
             # on 2 loaded cores has been 7 ms after the issue: hence the lower bound's margin.
             low = 0.8 if mode == "all_threads" else 0.9
-            assert modeled_us * low <= event["dur_us"] <= event["call_us"] * CLOCK, (event, modeled_us)
+            assert modeled_us * low <= event["dur_us"] <= event["call_us"] + LINK_THREAD_US, (mode, event, modeled_us)
         assert not rank["profiler"]["all_threads"][0]["on_issuing_thread"]  # on the link's thread
         assert rank["profiler"]["default"][0]["on_issuing_thread"]
 
@@ -162,6 +170,7 @@ def test_every_rank_of_a_group_samples_the_same_jittered_time(two: list[dict[str
     for rank in two:
         draws = [call["modeled_s"]["WAN"] for call in rank["jitter_calls"]]
         assert draws == pytest.approx(expected, rel=1e-12)
+        # each call timed from the later rank's issue (one host clock): no load moves that start
         ratios = [call["measured_s"] / call["modeled_s"]["WAN"] for call in rank["jitter_calls"]]
         assert min(ratios) >= 0.99 and sorted(ratios)[len(ratios) // 2] <= 1.10, ratios
     # a send and its recv draw from "<group>:p2p:<src>-><dst>:<n>": one time for both sides
@@ -196,10 +205,14 @@ class _DoneWork:
 def test_a_collected_link_joins_its_helper_thread() -> None:
     counters = GroupCounters()
     link = Link("collect-test", counters)
-    link.book(label="cpdpkit::emu::barrier[bytes=0]", modeled_s=0.05, inner=_DoneWork(), outputs=[],
-              timeout_s=5.0).wait()
+    issued_s = time.monotonic()
+    work = link.book(label="cpdpkit::emu::barrier[bytes=0]", modeled_s=0.05, inner=_DoneWork(), outputs=[],
+                     timeout_s=5.0, issued_s=issued_s)
+    waited_from_s = time.monotonic()  # after the helper thread's start, which may take a while
+    work.wait()
     (helper,) = [t for t in threading.enumerate() if t.name == "cpdpkit-emu-collect-test"]
-    assert counters.read().blocked_s[threading.get_ident()] >= 0.04  # the wait counted on the group
+    # the wait counted on the group: from its start to the modeled end at least
+    assert counters.read().blocked_s[threading.get_ident()] >= issued_s + 0.05 - waited_from_s - 1e-4
     del link
     gc.collect()
     assert not helper.is_alive()

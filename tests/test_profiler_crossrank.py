@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -210,8 +211,9 @@ REAL_STEPS = 5
 
 @pytest.mark.timeout(60)
 def test_real_gloo_straggler(tmp_path: Path) -> None:
-    """2 gloo ranks, rank 1 sleeps 30 ms before each all-reduce: rank 1 is the straggler and
-    rank 0 waits for it 30 ms ± 10 % per step."""
+    """2 gloo ranks, rank 1 sleeps 30 ms before each all-reduce: rank 1 is the straggler, and
+    rank 0's mean skew is what the ranks' own clocks say it was (the host's monotonic time of each
+    all-reduce call, which holds the sleep's overshoot and any descheduling too) within 5 %."""
     out = run_script_ranks(WORKER, tmp_path, "1", str(DELAY_MS), str(REAL_STEPS), timeout_s=50)
     report = analyze([out])
     assert not report.errors, report.errors
@@ -223,7 +225,12 @@ def test_real_gloo_straggler(tmp_path: Path) -> None:
           f"stragglers {[dict(s) for s in run.summary.stragglers]}")
     assert len(skews) == REAL_STEPS
     assert run.summary.stragglers[0]["rank"] == 1
-    assert _per_step_skew(r0) == pytest.approx(DELAY_MS * 1e3, rel=0.10)
+    a0, a1 = (json.loads(Path(f"{out}.arrivals-rank{r}.json").read_text()) for r in range(2))
+    truth = [(t1 - t0) * 1e6 for t0, t1 in zip(a0, a1)]
+    assert min(truth) > 0.5 * DELAY_MS * 1e3  # rank 1 late on every step (rank 0 may wake late after a step)
+    # the profiler's arrival is the gloo op's start, the truth a stamp just before the call: a
+    # descheduling between the two (ms on 2 loaded cores) is all that may separate them
+    assert _per_step_skew(r0) == pytest.approx(sum(truth) / len(truth), rel=0.05), (skews, truth)
     assert _per_step_skew(r1) < 0.1 * DELAY_MS * 1e3
 
 
