@@ -24,6 +24,7 @@ flight then: the state's peak):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -61,7 +62,7 @@ def _state_bytes(opt: torch.optim.Optimizer) -> int:
 
 
 def _memory_report(model: nn.Module, inner: torch.optim.Optimizer, sync: Any = None,
-                   master: list[torch.Tensor] = ()) -> dict[str, Any]:
+                   master: Sequence[torch.Tensor] = ()) -> dict[str, Any]:
     """The persistent training state on this rank, by part (collective: max over ranks); ``master``: an
     executor's fp32 slices, which its optimizer updates (counted with the parameters)."""
     params = list(model.parameters())

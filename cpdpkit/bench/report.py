@@ -24,6 +24,7 @@ from typing import Any
 __all__ = ["StrategyResult", "BenchReport", "SuiteReport", "aggregate", "paired_difference", "run_topology",
            "significant", "t_quantile_975"]
 
+
 @dataclass(frozen=True)
 class SuiteReport:
     """What ``cpdpkit bench sharding`` and ``cpdpkit bench hybrid`` return: one result per strategy's job and
