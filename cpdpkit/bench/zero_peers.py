@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cpdpkit.bench._jobs import ddp_over_blocks
+from cpdpkit.bench._jobs import ddp_over_blocks, local_bytes
 
 __all__ = ["ZERO_STRATEGIES", "OVERLAP_PRIMING_STEPS", "OVERLAP_CLIP_REASON", "ZeroPeer", "ZeroPeerUnsupported",
            "WaitClock", "build_zero_peer"]
@@ -137,8 +137,7 @@ class WaitClock:
 def _state_bytes(optimizer: Any) -> int:
     # The count of cpdpkit.planner.executor.optimizer_state_bytes (not imported: it loads FSDP2,
     # ~1 s per rank); ZeRO's local state holds plain tensors only.
-    return sum(v.numel() * v.element_size() for state in getattr(optimizer, "state", {}).values()
-               for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return local_bytes(v for state in getattr(optimizer, "state", {}).values() for v in state.values())
 
 
 def build_zero_peer(strategy: str, model: nn.Module, *, optimizer_class: type[torch.optim.Optimizer],
