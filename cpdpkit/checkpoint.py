@@ -9,8 +9,8 @@ Usage (every rank runs the same lines)::
         ckpt.maybe_save(step, model=model, optimizer=opt)  # saves when step % 8 == 0
 
 ``optimizer`` is a :class:`~cpdpkit.sync.PeriodicSyncOptimizer` (any strategy, mid-warm-up, mid-period,
-a reconciliation in flight, over a plain, DDP or FSDP2-sharded model), a :class:`~cpdpkit.planner.TwoStageExecutor` or
-:class:`~cpdpkit.planner.PartialShardExecutor`, or any object with ``state_dict``/``load_state_dict``
+a reconciliation in flight, over a plain, DDP or FSDP2-sharded model), a :class:`~cpdpkit.shard.TwoStageExecutor` or
+:class:`~cpdpkit.shard.PartialShardExecutor`, or any object with ``state_dict``/``load_state_dict``
 (a plain ``torch.optim`` optimizer). ``extra={"scheduler": sched}`` adds more such objects.
 
 **Each rank keeps its own state.** Between reconciliations the ranks hold different parameters and
@@ -160,8 +160,8 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
 
 
 def _slice_executors() -> tuple[type, ...]:
-    from cpdpkit.planner.executor import TwoStageExecutor
-    from cpdpkit.planner.partial import PartialShardExecutor
+    from cpdpkit.shard.executor import TwoStageExecutor
+    from cpdpkit.shard.partial import PartialShardExecutor
 
     return (TwoStageExecutor, PartialShardExecutor)
 

@@ -7,7 +7,7 @@ component a span is, and of which collective kind, without a list of string lite
 Two kinds of names:
 
 * **Phases** ``cpdpkit::<component>::<phase>``: ``sync`` (:class:`~cpdpkit.sync.PeriodicSyncOptimizer`)
-  and ``shard`` (:class:`~cpdpkit.planner.TwoStageExecutor`). A phase is either communication of a
+  and ``shard`` (:class:`~cpdpkit.shard.TwoStageExecutor`). A phase is either communication of a
   collective kind (the span covers issuing the collective and, for blocking phases, waiting for it)
   or local work (``kind is None``: arithmetic such as SlowMo's outer update, never counted as
   communication). :data:`PHASES` lists them all.
@@ -90,7 +90,7 @@ class _SyncPhases:
 
 
 class _ShardPhases:
-    """Phases of :class:`~cpdpkit.planner.TwoStageExecutor` (label ``cpdpkit::shard::<name>``)."""
+    """Phases of :class:`~cpdpkit.shard.TwoStageExecutor` (label ``cpdpkit::shard::<name>``)."""
 
     GRAD_REDUCE_SCATTER = Phase("shard", "grad_reduce_scatter", "reduce_scatter")  # replicate axis, launch
     GRAD_WAIT = Phase("shard", "grad_wait", "reduce_scatter")  # a unit's update waiting for its slice

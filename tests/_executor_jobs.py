@@ -232,8 +232,8 @@ def exercise_executor(ex: Any, net: nn.Module, case: dict[str, Any], data: list,
 
 
 def _hsdp(rank: int, plan: Any, mesh: Any, case: dict[str, Any], clip: float | None) -> dict[str, Any]:
-    from cpdpkit.planner import apply_plan
-    from cpdpkit.planner.executor import optimizer_state_bytes
+    from cpdpkit.shard import apply_plan
+    from cpdpkit.shard.executor import optimizer_state_bytes
 
     net = make_net(case)
     with warnings.catch_warnings():
@@ -247,7 +247,7 @@ def _hsdp(rank: int, plan: Any, mesh: Any, case: dict[str, Any], clip: float | N
 
 def _executor(rank: int, plan: Any, mesh: Any, case: dict[str, Any], clip: float | None, *,
               update_in_backward: bool = True) -> dict[str, Any]:
-    from cpdpkit.planner.executor import TwoStageExecutor
+    from cpdpkit.shard.executor import TwoStageExecutor
 
     net = make_net(case)
     ex = TwoStageExecutor(net, plan, OPTIMIZERS[case["optimizer"]], mesh=mesh, max_grad_norm=clip,
@@ -302,7 +302,7 @@ def resume_case(rank: int, plan: Any, mesh: Any, case: dict[str, Any], ckpt: Pat
     import torch.distributed.checkpoint as dcp
 
     from cpdpkit.planner import PlannerError
-    from cpdpkit.planner.executor import TwoStageExecutor
+    from cpdpkit.shard.executor import TwoStageExecutor
 
     executor = executor or TwoStageExecutor
     factory, clip, k = OPTIMIZERS[case["optimizer"]], case.get("max_grad_norm"), case["k"]

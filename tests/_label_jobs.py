@@ -50,7 +50,7 @@ def _executor_events(rank: int, plan_dict: dict[str, Any]) -> list[tuple[str, in
     from torch.distributed.device_mesh import init_device_mesh
 
     from cpdpkit.planner import ShardingPlan
-    from cpdpkit.planner.executor import TwoStageExecutor
+    from cpdpkit.shard.executor import TwoStageExecutor
 
     plan = ShardingPlan.from_dict(plan_dict)
     mesh = init_device_mesh("cpu", plan.mesh.shape, mesh_dim_names=("replicate", "shard"))

@@ -36,7 +36,7 @@ def _entry(rank: int, world_size: int, out: str, plan_dict: dict[str, Any], case
     from torch.distributed.device_mesh import init_device_mesh
 
     from cpdpkit.planner import ShardingPlan
-    from cpdpkit.planner.partial import PartialShardExecutor
+    from cpdpkit.shard.partial import PartialShardExecutor
 
     info = pj.init_rank(rank, world_size, out, emulated=emulated)
     plan = ShardingPlan.from_dict(plan_dict)
@@ -55,7 +55,7 @@ def _entry(rank: int, world_size: int, out: str, plan_dict: dict[str, Any], case
 
 def _reference(rank: int, case: dict[str, Any], clip: float | None) -> dict[str, Any]:
     """Plain data parallelism: every rank the whole model, gradients averaged over the world."""
-    from cpdpkit.planner.executor import optimizer_state_bytes
+    from cpdpkit.shard.executor import optimizer_state_bytes
 
     def all_reduce_mean(net: nn.Module) -> None:
         for p in net.parameters():
@@ -70,7 +70,7 @@ def _reference(rank: int, case: dict[str, Any], clip: float | None) -> dict[str,
 
 def _executor(rank: int, plan: Any, mesh: Any, case: dict[str, Any], clip: float | None, *,
               update_in_backward: bool = True) -> dict[str, Any]:
-    from cpdpkit.planner.partial import PartialShardExecutor
+    from cpdpkit.shard.partial import PartialShardExecutor
 
     net = ej.make_net(case)
     ex = PartialShardExecutor(net, plan, ej.OPTIMIZERS[case["optimizer"]], mesh=mesh, max_grad_norm=clip,
@@ -92,7 +92,7 @@ def _run_case(rank: int, plan: Any, mesh: Any, case: dict[str, Any]) -> dict[str
 def _metered(rank: int, plan: Any, mesh: Any, case: dict[str, Any]) -> dict[str, Any]:
     """Wire bytes per tier of ``NUM_STEPS`` training steps (the executor built outside the block)."""
     from cpdpkit.emulator import meter
-    from cpdpkit.planner.partial import PartialShardExecutor
+    from cpdpkit.shard.partial import PartialShardExecutor
 
     net = ej.make_net(case)
     ex = PartialShardExecutor(net, plan, ej.OPTIMIZERS[case["optimizer"]], mesh=mesh)

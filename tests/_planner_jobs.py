@@ -214,7 +214,8 @@ def _run_case(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from cpdpkit.planner import ShardingPlan, apply_plan
+    from cpdpkit.planner import ShardingPlan
+    from cpdpkit.shard import apply_plan
 
     plain = make_net()
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("shard",))

@@ -130,7 +130,7 @@ def executor(rank: int, tmp: str, replicate: Any, sites: list[Any]) -> dict[str,
     import _planner_jobs as pj
     from cpdpkit.checkpoint import Checkpointer
     from cpdpkit.planner import PlannerConfig, plan_sharding
-    from cpdpkit.planner.executor import TwoStageExecutor
+    from cpdpkit.shard.executor import TwoStageExecutor
     from cpdpkit.sync import PeriodicSyncOptimizer
     from cpdpkit.topology import resolve_topology
 
@@ -213,7 +213,7 @@ def partial_executor(rank: int, spec: nn.Module, config: Any, site_mesh: Any, cr
 
     import _planner_jobs as pj
     from cpdpkit.planner import plan_sharding
-    from cpdpkit.planner.partial import PartialShardExecutor
+    from cpdpkit.shard.partial import PartialShardExecutor
     from cpdpkit.sync import PeriodicSyncOptimizer
     from cpdpkit.topology import resolve_topology
 

@@ -6,7 +6,7 @@ inside a node, IB between) measure with :func:`cpdpkit.emulator.meter`:
 * a handful of explicit collectives on the world and on sub-groups, sized so the model picks a
   tree and a ring all-reduce, a tree and a scatter+all-gather broadcast; compared with
   ``topology.group(ranks).cost(op, n).wire_bytes`` summed per tier, computed here in the parent;
-* one forward+backward of plans applied with FSDP2 (:func:`~cpdpkit.planner.apply_plan`): HSDP,
+* one forward+backward of plans applied with FSDP2 (:func:`~cpdpkit.shard.apply_plan`): HSDP,
   world-sharded FSDP and hpZ (``reshard_after_forward`` = node size); compared with the plan's
   per-tier sum of ``CommPhase.wire_bytes_per_rank`` (its ``tier_bytes_per_step``) and its
   collectives per op.
@@ -119,7 +119,7 @@ def _direct(rank: int) -> dict[str, Any]:
 def _fsdp_steps(rank: int, plan_dict: dict[str, Any]) -> list[dict[str, Any]]:
     """``NUM_STEPS`` forward+backward passes of the plan applied with FSDP2, each metered."""
     from cpdpkit.emulator import meter
-    from cpdpkit.planner import apply_plan
+    from cpdpkit.shard import apply_plan
 
     model = apply_plan(pj.make_net(), ShardingPlan.from_dict(plan_dict))
     gen = torch.Generator().manual_seed(rank)

@@ -11,7 +11,8 @@ import torch
 
 import _planner_jobs as jobs
 from cpdpkit.errors import DistributedSetupError
-from cpdpkit.planner import PlannerConfig, PlannerError, apply_plan, plan_sharding
+from cpdpkit.planner import PlannerConfig, PlannerError, plan_sharding
+from cpdpkit.shard import apply_plan
 
 CONFIG = PlannerConfig(param_dtype="float32", grad_dtype="float32", optim_state_bytes_per_param=8,
                        min_unit_bytes=1000)  # two blocks (744 B each) per unit

@@ -17,7 +17,7 @@ import _executor_jobs as jobs
 import _planner_jobs as pj
 from cpdpkit import labels
 from cpdpkit.planner import PlannerConfig, PlannerError, plan_sharding
-from cpdpkit.planner.executor import TwoStageExecutor
+from cpdpkit.shard.executor import TwoStageExecutor
 from test_labels import _check_collectives_labelled
 
 CONFIG = PlannerConfig(param_dtype="float32", grad_dtype="float32", optim_state_bytes_per_param=8,

@@ -18,7 +18,7 @@ import _partial_jobs as jobs
 import _planner_jobs as pj
 from cpdpkit import labels
 from cpdpkit.planner import PlannerConfig, PlannerError, plan_sharding
-from cpdpkit.planner.partial import PartialShardExecutor
+from cpdpkit.shard.partial import PartialShardExecutor
 from test_labels import _check_collectives_labelled
 from test_planner_executor import ALTERNATE, check_resumed, check_stats_and_clipping
 

@@ -6,23 +6,23 @@ Dependencies point one way (docs/contracts.md and README.md show the picture)::
     layer 1  network            the one α-β network model
     layer 2  topology           tiers, placement, Topology.group(ranks)
     layer 3  emulator (+ _env), planner, sync, tracing; profiler (installed as cpdpkit.profiler)
-    layer 4  bench, launch (+ _child), checkpoint
-    layer 5  cli
+    layer 4  shard              the executors that train a plan (they import the planner)
+    layer 5  bench, launch (+ _child), checkpoint
+    layer 6  cli
 
 Rules, checked over every ``.py`` file under ``cpdpkit/`` and ``profiler/``:
 
 * **layering**: a module imports only its own component and components of lower layers, at
   module level and inside functions alike (``bench`` may also import its peer ``launch``: it runs
   each job through it). So topology/network/labels/errors import nothing above them, and
-  emulator/planner/sync never import bench, launch or cli.
+  emulator/planner/sync never import shard, bench, launch or cli.
 * **profiler**: ``cpdpkit.profiler`` imports only ``cpdpkit.errors``, ``cpdpkit.labels``,
   ``cpdpkit.network``, ``cpdpkit.topology`` and itself, and never torch, not even in a function.
 * **torch-free**: these modules do not import torch at module level (``cpdpkit --help``,
   ``cpdpkit plan``, ``profile`` and ``topology`` must start without it): ``cpdpkit/__init__``,
-  ``errors``, ``labels``, ``network``, ``topology``, ``_env``, ``planner/*`` except the appliers
-  and executors (``apply``, ``executor``, ``partial``, ``_slices``, ``_executor_state``),
-  ``launch``, ``cli/*`` and ``profiler/*``. Imports under ``if TYPE_CHECKING:`` and inside
-  functions do not count.
+  ``errors``, ``labels``, ``network``, ``topology``, ``_env``, ``planner/*`` (pure planning: the
+  appliers and executors that need torch are ``shard/*``), ``launch``, ``cli/*`` and
+  ``profiler/*``. Imports under ``if TYPE_CHECKING:`` and inside functions do not count.
 * **torch-free, transitive**: the same modules do not *reach* torch through the module-level
   imports of other cpdpkit modules either; one line per import that leaves the torch-free set
   towards a module that imports torch at import time (``--direct-only`` skips this rule).
@@ -66,12 +66,14 @@ COMPONENTS: dict[str, tuple[int, tuple[str, ...]]] = {
     "sync": (3, ("cpdpkit.sync",)),
     "tracing": (3, ("cpdpkit.tracing",)),
     "profiler": (3, ("cpdpkit.profiler",)),
-    "bench": (4, ("cpdpkit.bench",)),
-    # checkpoint saves what sync's optimizer and planner's executors hold (and is used by bench)
-    "checkpoint": (4, ("cpdpkit.checkpoint",)),
+    # the executors that train a plan: above the planner they execute, below what runs them
+    "shard": (4, ("cpdpkit.shard",)),
+    "bench": (5, ("cpdpkit.bench",)),
+    # checkpoint saves what sync's optimizer and shard's executors hold (and is used by bench)
+    "checkpoint": (5, ("cpdpkit.checkpoint",)),
     # _child is the per-rank entry point torchrun runs for cpdpkit.launch
-    "launch": (4, ("cpdpkit.launch", "cpdpkit._child")),
-    "cli": (5, ("cpdpkit.cli",)),
+    "launch": (5, ("cpdpkit.launch", "cpdpkit._child")),
+    "cli": (6, ("cpdpkit.cli",)),
 }
 
 # (importer, imported) pairs of one layer that may depend on each other, and why
@@ -84,8 +86,6 @@ TORCH_FREE = (
     "cpdpkit", "cpdpkit.errors", "cpdpkit.labels", "cpdpkit.network", "cpdpkit.topology", "cpdpkit._env",
     "cpdpkit.planner.*", "cpdpkit.launch", "cpdpkit.cli.*", "cpdpkit.profiler.*",
 )
-TORCH_ALLOWED = ("cpdpkit.planner.apply", "cpdpkit.planner.executor", "cpdpkit.planner.partial",
-                 "cpdpkit.planner._slices", "cpdpkit.planner._executor_state")  # the appliers and executors
 TORCH_PACKAGES = ("torch", "torchvision", "torchaudio", "functorch")
 
 
@@ -229,7 +229,7 @@ def _matches(module: str, patterns: tuple[str, ...]) -> bool:
 
 
 def is_torch_free(module: str) -> bool:
-    return _matches(module, TORCH_FREE) and module not in TORCH_ALLOWED
+    return _matches(module, TORCH_FREE)
 
 
 def is_torch(target: str) -> bool:

@@ -23,7 +23,7 @@ Strategies (each its own job over the emulated topology; same GPT, data, seed an
   reconciliation's parameter average is applied τ steps after its launch, hiding its WAN time
   behind the next step's compute.
 * ``cpdp-over-two-stage``: both papers' mechanisms: inside each site the sharding paper's
-  :class:`~cpdpkit.planner.executor.TwoStageExecutor` on the planner's plan for one site's ranks
+  :class:`~cpdpkit.shard.executor.TwoStageExecutor` on the planner's plan for one site's ranks
   (optimizer state sharded across them, parameters replicated, updated slices exchanged under
   backward and the next forward, the schedule calibrated after the warm-up like the sharding
   suite's ``two-stage``), and the same ``PeriodicSyncOptimizer`` across sites over the executor's

@@ -128,7 +128,7 @@ def _two_stage_run(spec: dict[str, Any], model: nn.Module) -> Run:
     from torch.distributed.device_mesh import init_device_mesh
 
     from cpdpkit.planner import ShardingPlan
-    from cpdpkit.planner.executor import TwoStageExecutor
+    from cpdpkit.shard.executor import TwoStageExecutor
     from cpdpkit.sync import PeriodicSyncOptimizer
 
     sites = spec["num_sites"]

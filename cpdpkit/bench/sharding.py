@@ -12,11 +12,11 @@ optimizer):
   ``hook_with_zero_step`` (see :mod:`cpdpkit.bench.zero_peers`: bucketing, priming, gloo, and why
   it cannot clip: with ``--max-grad-norm`` it is reported ``unsupported`` and not launched).
 * ``planned``: :func:`~cpdpkit.planner.plan_sharding`'s plan (``param_sharding="sharded"``)
-  applied with :func:`~cpdpkit.planner.apply_plan` and a whole-shard optimizer (no state sharding).
-* ``two-stage``: the same plan run by :class:`~cpdpkit.planner.executor.TwoStageExecutor`.
+  applied with :func:`~cpdpkit.shard.apply_plan` and a whole-shard optimizer (no state sharding).
+* ``two-stage``: the same plan run by :class:`~cpdpkit.shard.executor.TwoStageExecutor`.
 * ``partial``: the planner's partially sharded plan (``param_sharding="replicated"``: parameters
   replicated, gradients and optimizer state sharded inside the node, then across nodes) run by
-  :class:`~cpdpkit.planner.partial.PartialShardExecutor`.
+  :class:`~cpdpkit.shard.partial.PartialShardExecutor`.
 
 ``two-stage`` and ``partial`` calibrate their exchange schedule on this machine after the warm-up
 steps and report how many exchanges finished during backward (stage 1), measured and predicted

@@ -59,9 +59,9 @@ def _executor_run(spec: dict[str, Any], model: torch.nn.Module) -> Run:
 
     plan = ShardingPlan.from_dict(spec["plan"])
     if spec["strategy"] == "two-stage":
-        from cpdpkit.planner.executor import TwoStageExecutor as Executor
+        from cpdpkit.shard.executor import TwoStageExecutor as Executor
     else:
-        from cpdpkit.planner.partial import PartialShardExecutor as Executor
+        from cpdpkit.shard.partial import PartialShardExecutor as Executor
     ex = Executor(model, plan, optimizer_factory(spec), max_grad_norm=spec.get("max_grad_norm"))
     calibrate = spec["warmup_steps"] > 0  # calibration needs measured steps
 
@@ -100,8 +100,9 @@ def _setup(spec: dict[str, Any], model: torch.nn.Module, priming_batch: tuple[to
         return _zero_run(spec, model, priming_batch)
     from torch.distributed.device_mesh import init_device_mesh
 
-    from cpdpkit.planner import ShardingPlan, apply_plan
-    from cpdpkit.planner.executor import optimizer_state_bytes
+    from cpdpkit.planner import ShardingPlan
+    from cpdpkit.shard import apply_plan
+    from cpdpkit.shard.executor import optimizer_state_bytes
 
     world = dist.get_world_size()
     if strategy == "fsdp2":

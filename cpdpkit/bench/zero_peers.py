@@ -135,7 +135,7 @@ class WaitClock:
 
 
 def _state_bytes(optimizer: Any) -> int:
-    # The count of cpdpkit.planner.executor.optimizer_state_bytes (not imported: it loads FSDP2,
+    # The count of cpdpkit.shard.executor.optimizer_state_bytes (not imported: it loads FSDP2,
     # ~1 s per rank); ZeRO's local state holds plain tensors only.
     return local_bytes(v for state in getattr(optimizer, "state", {}).values() for v in state.values())
 

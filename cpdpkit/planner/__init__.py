@@ -12,19 +12,16 @@ world, node first) and keeps every candidate it evaluated and why it chose (``ca
 ``choice_reason``). With ``PlannerConfig.reconcile_period = K`` on a topology of several sites
 (CPDP across sites) the site is the sharding domain and the replicate axis crosses the WAN only
 at a reconciliation every K steps (the plan's :class:`Reconciliation`, priced per step as 1/K).
-:func:`~cpdpkit.planner.apply.apply_plan` (imports torch) applies a plan with FSDP2.
+Training a plan (:func:`~cpdpkit.shard.apply_plan`, the executors) is :mod:`cpdpkit.shard`'s.
 
 Imports point one way, all at module level: records that import no algorithm (``config``;
 ``model_spec``; ``timeline``, the schedule's records; ``plan``, which carries a ``timeline``
 schedule) <- ``presets`` (shapes, and :func:`load_model_spec` for any model input) and the
-algorithms ``_cost`` and ``schedule`` <- ``planner`` (the search). Only the torch-backed
-``apply_plan``, ``TwoStageExecutor`` and ``PartialShardExecutor`` load late, through
-``__getattr__``, so that importing this package does not import torch.
+algorithms ``_cost`` and ``schedule`` <- ``planner`` (the search). No module here imports torch
+at module level (``model_spec`` imports it inside the function that reads an ``nn.Module``).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from cpdpkit.planner.config import PlannerConfig, PlannerError, format_bytes, parse_bytes
 from cpdpkit.planner.model_spec import BlockSpec, ModelSpec, ParamSpec
@@ -55,18 +52,15 @@ __all__ = [
     "ModelSpec",
     "ParamPlacement",
     "ParamSpec",
-    "PartialShardExecutor",
     "PlannerConfig",
     "PlannerError",
     "RankBytes",
     "Reconciliation",
     "ShardingPlan",
     "StateSharding",
-    "TwoStageExecutor",
     "TwoStageSchedule",
     "UnitPlan",
     "UnitTiming",
-    "apply_plan",
     "estimate_unit_timings",
     "format_bytes",
     "fsdp2_default_plan",
@@ -78,19 +72,3 @@ __all__ = [
     "planning_summary",
     "schedule_two_stage",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "apply_plan":  # imports torch.distributed; load on first use
-        from cpdpkit.planner.apply import apply_plan
-
-        return apply_plan
-    if name == "TwoStageExecutor":  # imports torch.distributed too
-        from cpdpkit.planner.executor import TwoStageExecutor
-
-        return TwoStageExecutor
-    if name == "PartialShardExecutor":  # runs param_sharding="replicated" plans; imports torch
-        from cpdpkit.planner.partial import PartialShardExecutor
-
-        return PartialShardExecutor
-    raise AttributeError(f"module 'cpdpkit.planner' has no attribute {name!r}")

@@ -6,7 +6,7 @@ sharding domain and the WAN carries only periodic reconciliation**:
 * the shard axis is a site (``S`` = ranks per site, consecutive ranks): FSDP2 shards parameters,
   gradients and optimizer state over the site's fast tiers, and no candidate shards across
   sites; the replicate axis (``R`` = number of sites) is the cross-site axis;
-* nothing crosses the replicate axis on a local step (:func:`~cpdpkit.planner.apply_plan` shards
+* nothing crosses the replicate axis on a local step (:func:`~cpdpkit.shard.apply_plan` shards
   such a plan over the mesh's ``shard`` sub-mesh only, and :class:`~cpdpkit.sync.PeriodicSyncOptimizer`
   with ``group=mesh["replicate"].get_group()`` and ``period=K`` synchronises across sites; FSDP2's own
   HSDP cannot skip its all-reduce and still assign gradients), so the per-step ``gradient all-reduce``

@@ -122,7 +122,7 @@ class StateSharding(Record):
     reduce-scatter of gradients across the replicate axis, a partial optimizer step, and an
     all-gather of the updated parameters across the replicate axis. FSDP2 itself cannot do this
     (its HSDP all-reduces gradients and steps the whole shard on every replica), so
-    ``executed_by_fsdp2`` is False and :func:`~cpdpkit.planner.apply.apply_plan` applies HSDP only.
+    ``executed_by_fsdp2`` is False and :func:`~cpdpkit.shard.apply.apply_plan` applies HSDP only.
 
     ``axis="world"`` (the partial kind): each rank keeps ``1/world_size`` of every unit's optimizer
     state; gradients are reduce-scattered inside the node, then across nodes, and the updated

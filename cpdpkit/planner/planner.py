@@ -296,13 +296,13 @@ def _notes(cand: Candidate, evaluation: Evaluation, config: PlannerConfig) -> li
             "padded); each unit's gradient is reduce-scattered inside the node, then across nodes, every rank "
             "updates its 1/world slice of the optimizer state, and the updated slices are all-gathered back "
             "across nodes, then inside the node. FSDP2 and apply_plan cannot run it; train with "
-            f"cpdpkit.planner.PartialShardExecutor for {format_bytes(rb.peak_bytes)} per rank (plain DDP "
+            f"cpdpkit.shard.PartialShardExecutor for {format_bytes(rb.peak_bytes)} per rank (plain DDP "
             f"{format_bytes(rb.fsdp2_peak_bytes)})")
     elif cand.state_sharded:
         notes.append(
             "optimizer state is sharded across the replicate axis; FSDP2 alone cannot execute that (its HSDP "
             "all-reduces gradients and keeps the full shard's state on every replica): train with "
-            f"cpdpkit.planner.TwoStageExecutor for {format_bytes(rb.peak_bytes)} per rank; apply_plan alone "
+            f"cpdpkit.shard.TwoStageExecutor for {format_bytes(rb.peak_bytes)} per rank; apply_plan alone "
             f"applies the mesh, units and placements only ({format_bytes(rb.fsdp2_peak_bytes)} per rank)")
     if config.memory_budget_bytes is not None and rb.fsdp2_peak_bytes > config.memory_budget_bytes >= rb.peak_bytes:
         notes.append("this plan fits the memory budget only with "

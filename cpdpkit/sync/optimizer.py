@@ -20,7 +20,7 @@ reconciliation's anchor (:mod:`cpdpkit.sync._reconcile` has the whole formula). 
 
 **Across sites, sharded inside each** (:mod:`cpdpkit.sync._sharded`): ``model`` may be an FSDP2
 module sharded over one site (``fully_shard(..., mesh=mesh["shard"])``) or a
-:class:`~cpdpkit.planner.TwoStageExecutor` (or ``PartialShardExecutor``) built on one site's
+:class:`~cpdpkit.shard.TwoStageExecutor` (or ``PartialShardExecutor``) built on one site's
 sub-mesh, with ``group`` the cross-site replicate group; every step synchronises inside the site
 as FSDP2 (or the executor) does, and every K steps the reconciliation runs over ``group`` on this
 rank's shard only. SlowMo's anchor and momentum are then shard-sized::

@@ -49,7 +49,7 @@ def _two_stage(model: nn.Module) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
     from cpdpkit.planner import PlannerConfig, plan_sharding
-    from cpdpkit.planner.executor import TwoStageExecutor
+    from cpdpkit.shard.executor import TwoStageExecutor
 
     config = PlannerConfig(param_dtype="float32", grad_dtype="float32", optim_state_bytes_per_param=8,
                            min_unit_bytes=1000)

@@ -1,9 +1,9 @@
 """Checkpointing of the slice executors through ``torch.distributed.checkpoint`` (DCP).
 
-A mixin of :class:`~cpdpkit.planner._slices.SliceExecutor`: ``state_dict`` / ``load_state_dict``
+A mixin of :class:`~cpdpkit.shard._slices.SliceExecutor`: ``state_dict`` / ``load_state_dict``
 of the model (``get_model_state_dict``: FSDP2's DTensor shards for
-:class:`~cpdpkit.planner.executor.TwoStageExecutor`, the replicated parameters for
-:class:`~cpdpkit.planner.partial.PartialShardExecutor`) and of this rank's optimizer slices,
+:class:`~cpdpkit.shard.executor.TwoStageExecutor`, the replicated parameters for
+:class:`~cpdpkit.shard.partial.PartialShardExecutor`) and of this rank's optimizer slices,
 saved under a key holding its replicate and shard coordinates so that every rank saves distinct
 entries (DCP de-duplicates plain tensors saved under one key by several ranks). Loading needs the
 same plan and mesh: no resharding to another mesh or world size. Torch is imported inside the

@@ -1,5 +1,5 @@
-"""The per-unit slice pipeline shared by :class:`~cpdpkit.planner.executor.TwoStageExecutor` and
-:class:`~cpdpkit.planner.partial.PartialShardExecutor`.
+"""The per-unit slice pipeline shared by :class:`~cpdpkit.shard.executor.TwoStageExecutor` and
+:class:`~cpdpkit.shard.partial.PartialShardExecutor`.
 
 Both executors hand this pipeline, per unit and per step, one flat gradient vector whose
 elements every member of the replicate group holds the same way (FSDP2's shard of the unit, or
@@ -10,7 +10,7 @@ the hand-back of the gathered vector to the executor (``_apply_gathered``), whic
 into the model. When each of those happens (stage 1 during backward at a schedule-derived
 trigger, stage 2 in :meth:`SliceExecutor.step`), speculative clipping, the measurements behind
 :meth:`SliceExecutor.calibrate` and the statistics are described in
-:mod:`cpdpkit.planner.executor`.
+:mod:`cpdpkit.shard.executor`.
 
 A subclass builds its :class:`SliceUnit` list and calls :meth:`SliceExecutor._setup_pipeline`;
 it calls :meth:`SliceExecutor._grad_ready` from its gradient-ready hook with the padded
@@ -35,12 +35,12 @@ from torch.utils._pytree import tree_leaves
 
 from cpdpkit.errors import DistributedSetupError
 from cpdpkit.labels import SHARD
-from cpdpkit.planner._executor_state import ExecutorStateMixin
-from cpdpkit.planner._slice_schedule import END, UnitClock, apply_slots, stage1_triggers
 from cpdpkit.planner.config import PlannerError
 from cpdpkit.planner.plan import ShardingPlan
 from cpdpkit.planner.schedule import plan_two_stage
 from cpdpkit.planner.timeline import TwoStageSchedule, UnitTiming
+from cpdpkit.shard._executor_state import ExecutorStateMixin
+from cpdpkit.shard._slice_schedule import END, UnitClock, apply_slots, stage1_triggers
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "optimizer_state_bytes", "SliceUnit", "SliceExecutor", "check_inputs",
            "build_mesh", "chunk_of", "slice_bounds", "REDUCE_SCATTER", "ALL_GATHER"]

@@ -1,11 +1,11 @@
 """What the two-stage schedule means at run time, and the measurements that recalibrate it.
 
-Private to the slice executors (:mod:`cpdpkit.planner._slices`). Two parts:
+Private to the slice executors (:mod:`cpdpkit.shard._slices`). Two parts:
 
 * :func:`stage1_triggers`: from a :class:`~cpdpkit.planner.timeline.TwoStageSchedule` (the
   same on every rank), the point at which each stage-1 exchange is launched: a unit's
   gradient-ready hook during backward, or the end of backward. The rule (see
-  :mod:`cpdpkit.planner.executor`, "Stage 1"): the first point in backward order whose
+  :mod:`cpdpkit.shard.executor`, "Stage 1"): the first point in backward order whose
   predicted time (the schedule's ``grad_ready_s`` of that point's unit, ``backward_s`` for the
   end) is at or after the slot's ``start_s``. It depends only on the schedule, never on
   thread timing, so every rank issues the replicate group's collectives in the same order.

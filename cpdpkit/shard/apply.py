@@ -7,7 +7,7 @@ parameter's ``Shard(dim)`` through ``shard_placement_fn``, and each unit's
 ``reshard_after_forward`` (bool or int). What it cannot: optimizer-state sharding across the
 replicate axis (FSDP2's HSDP all-reduces gradients and every replica steps its whole shard).
 For such plans :func:`apply_plan` applies the rest and emits :class:`StateShardingNotApplied`
-(a ``UserWarning``) with the memory that costs; :class:`~cpdpkit.planner.executor.TwoStageExecutor`
+(a ``UserWarning``) with the memory that costs; :class:`~cpdpkit.shard.executor.TwoStageExecutor`
 runs such plans.
 """
 
@@ -93,7 +93,7 @@ def apply_plan(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh | None = N
         raise TypeError(f"plan = {type(plan).__name__} must be a ShardingPlan (ShardingPlan.load(path) reads a file)")
     if plan.param_sharding == "replicated":
         raise PlannerError(f"plan {plan.strategy!r} keeps parameters replicated, so there is nothing for FSDP2 to "
-                           "shard: train it with cpdpkit.planner.PartialShardExecutor")
+                           "shard: train it with cpdpkit.shard.PartialShardExecutor")
     dims = _placement_dims(model, plan)
     mesh = _mesh_for(plan, mesh, model)
     if plan.reconciliation is not None:

@@ -5,7 +5,7 @@ replicas, and every replica steps its whole shard. :class:`TwoStageExecutor` giv
 numbers with ``1/R`` of the optimizer state per rank (``R`` = replicate size), and overlaps the
 exchange of updated parameters with backward (stage 1) and the next forward (stage 2):
 
-1. **Shard axis: FSDP2.** :func:`~cpdpkit.planner.apply.apply_plan` shards the model over the
+1. **Shard axis: FSDP2.** :func:`~cpdpkit.shard.apply.apply_plan` shards the model over the
    mesh's ``"shard"`` dimension only (a 1-D sub-mesh of the plan's ``(replicate, shard)``
    mesh), so FSDP2 does the intra-group all-gathers and reduce-scatters (mean over ``S``).
    (FSDP2's own HSDP with ``set_requires_all_reduce(False)`` cannot be used: in torch 2.13
@@ -80,7 +80,7 @@ when backward ended, checked with ``is_completed()`` in the end-of-backward call
 measurement that decides nothing); ``backward_s``; ``update_s`` (mean seconds per unit update);
 ``clip_speculated`` / ``clip_mispredicted`` (steps). :meth:`~TwoStageExecutor.calibrate`
 (collective) takes the per-unit forward and backward compute times measured since
-:meth:`~TwoStageExecutor.reset_stats` (see :class:`~cpdpkit.planner._slice_schedule.UnitClock`:
+:meth:`~TwoStageExecutor.reset_stats` (see :class:`~cpdpkit.shard._slice_schedule.UnitClock`:
 forward between consecutive units' pre-hooks, backward between consecutive gradient-ready
 hooks, both without the executor's own time in its hooks), their maximum over the world (one
 small all-reduce, ``timings_allreduce``), re-plans with :func:`~cpdpkit.planner.schedule.plan_two_stage`
@@ -92,7 +92,7 @@ micro-batches that only accumulate (FSDP2's switch); the synced backward must be
 
 **Across sites** (``PeriodicSyncOptimizer(ex.optimizer, model=ex, group=<cross-site group>)``, the
 executor built on one site's sub-mesh of a ``("site", "replicate", "shard")`` mesh): the wrapper
-attaches itself (:meth:`~cpdpkit.planner._slices.SliceExecutor.attach_periodic_sync`); each slice
+attaches itself (:meth:`~cpdpkit.shard._slices.SliceExecutor.attach_periodic_sync`); each slice
 gradient, once reduced inside the site, is averaged across sites on the wrapper's gradient-sync
 steps, and on a step that reconciles (or applies an overlapped average) every update runs in
 :meth:`step`, then the wrapper's reconciliation of the slices, then the exchanges. Other steps keep
@@ -141,7 +141,9 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from cpdpkit.planner._slices import (
+from cpdpkit.planner.config import PlannerError
+from cpdpkit.planner.plan import ShardingPlan
+from cpdpkit.shard._slices import (
     ELEMENTWISE_OPTIMIZERS,
     OptimizerFactory,
     SliceExecutor,
@@ -152,9 +154,7 @@ from cpdpkit.planner._slices import (
     optimizer_state_bytes,
     slice_bounds,
 )
-from cpdpkit.planner.apply import apply_plan
-from cpdpkit.planner.config import PlannerError
-from cpdpkit.planner.plan import ShardingPlan
+from cpdpkit.shard.apply import apply_plan
 
 __all__ = ["TwoStageExecutor", "ELEMENTWISE_OPTIMIZERS", "optimizer_state_bytes"]
 

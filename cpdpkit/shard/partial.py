@@ -14,13 +14,13 @@ unit of ``n`` elements (``c = ceil(n/S)``, ``d = ceil(c/R)``), every step:
    training thread, so backward waits for it, ``grad_reduce_scatter``): rank ``i`` of the node
    keeps node slice ``i``, elements ``[i·c, (i+1)·c)``.
 3. **Reduce-scatter of the node slice across nodes** (mean over ``R``, async) and from there
-   the slice pipeline shared with :class:`~cpdpkit.planner.executor.TwoStageExecutor`
-   (:mod:`cpdpkit.planner._slices`): rank ``(j, i)`` owns chunk ``j`` (``d`` elements) of node
+   the slice pipeline shared with :class:`~cpdpkit.shard.executor.TwoStageExecutor`
+   (:mod:`cpdpkit.shard._slices`): rank ``(j, i)`` owns chunk ``j`` (``d`` elements) of node
    slice ``i``, the layout :func:`cpdpkit.planner._cost.partial_owned` prices, updates it in
    fp32 with the inner optimizer and all-gathers it across nodes; stage 1 during backward at
    the schedule-derived trigger, stage 2 in :meth:`~PartialShardExecutor.step`; the same
    exact speculative clipping, ``stats``, ``calibrate()`` and checkpointing. See
-   :mod:`cpdpkit.planner.executor` for the trigger rule, clipping, its memory and the GPU notes.
+   :mod:`cpdpkit.shard.executor` for the trigger rule, clipping, its memory and the GPU notes.
 4. **All-gather inside the node** (synchronous, fast tier, ``param_all_gather``) of the node
    slice the cross-node all-gather delivered, and the copy into the replicated parameters:
    for stage-1 units at the end of ``step()``, for stage-2 units in the unit's forward
@@ -51,7 +51,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.profiler import record_function
 
 from cpdpkit.labels import SHARD
-from cpdpkit.planner._slices import (
+from cpdpkit.planner.config import PlannerError
+from cpdpkit.planner.plan import ShardingPlan
+from cpdpkit.shard._slices import (
     ALL_GATHER,
     REDUCE_SCATTER,
     OptimizerFactory,
@@ -62,8 +64,6 @@ from cpdpkit.planner._slices import (
     chunk_of,
     slice_bounds,
 )
-from cpdpkit.planner.config import PlannerError
-from cpdpkit.planner.plan import ShardingPlan
 
 __all__ = ["PartialShardExecutor"]
 
@@ -80,7 +80,7 @@ class _PartialUnit(SliceUnit):
 class PartialShardExecutor(SliceExecutor):
     """Train ``model`` (replicated) as a partial ``plan`` says: gradients and optimizer state sharded over all ranks.
 
-    Same use as :class:`~cpdpkit.planner.executor.TwoStageExecutor`:
+    Same use as :class:`~cpdpkit.shard.executor.TwoStageExecutor`:
     ``ex.zero_grad(); loss.backward(); ex.step()``; ``optimizer_factory(param_groups)``
     receives one param group per unit holding this rank's flat fp32 slice. ``mesh``: the plan's
     ``(replicate, shard)`` mesh (default: built from the plan). ``max_grad_norm``: exact global
