@@ -71,7 +71,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
 
+from cpdpkit.contracts import SyncedExecutor
 from cpdpkit.errors import CpdpkitError
 
 __all__ = ["Checkpointer", "CheckpointError"]
@@ -159,26 +161,19 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
         numpy.random.set_state(state["numpy"])
 
 
-def _slice_executors() -> tuple[type, ...]:
-    from cpdpkit.shard.executor import TwoStageExecutor
-    from cpdpkit.shard.partial import PartialShardExecutor
-
-    return (TwoStageExecutor, PartialShardExecutor)
-
-
 def _describe(optimizer: Any) -> tuple[str, str | None]:
     """``(kind, strategy)`` of what is checkpointed: a saved checkpoint must match both."""
     from cpdpkit.sync import PeriodicSyncOptimizer
 
     if isinstance(optimizer, PeriodicSyncOptimizer):
         return "PeriodicSyncOptimizer", optimizer.config.strategy
-    if isinstance(optimizer, _slice_executors()):
+    if isinstance(optimizer, SyncedExecutor):
         return type(optimizer).__name__, optimizer.plan.strategy
     return type(optimizer).__name__, None
 
 
 def _check_stateful(name: str, obj: Any) -> None:
-    if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+    if not isinstance(obj, Stateful):  # DCP's protocol: state_dict() and load_state_dict(state_dict)
         raise CheckpointError(f"{name} = {type(obj).__name__} has no state_dict/load_state_dict: pass a torch "
                               "optimizer, PeriodicSyncOptimizer, TwoStageExecutor or an object with both methods")
 
@@ -281,7 +276,7 @@ class Checkpointer:
     # -- saving -----------------------------------------------------------------------------------
     def _gather(self, step: int, model: nn.Module, optimizer: Any, extra: Mapping[str, Any]) -> dict[str, Any]:
         # The optimizer first: it finishes exchanges in flight (an executor writes them into the model).
-        if isinstance(optimizer, _slice_executors()):
+        if isinstance(optimizer, SyncedExecutor):  # the model is saved on its own, below
             optim_state = optimizer.state_dict(include_model=False)
         else:
             optim_state = optimizer.state_dict()

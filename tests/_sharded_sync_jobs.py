@@ -129,6 +129,7 @@ def executor(rank: int, tmp: str, replicate: Any, sites: list[Any]) -> dict[str,
     import _executor_jobs as ej
     import _planner_jobs as pj
     from cpdpkit.checkpoint import Checkpointer
+    from cpdpkit.contracts import OuterSync, SyncedExecutor
     from cpdpkit.planner import PlannerConfig, plan_sharding
     from cpdpkit.shard.executor import TwoStageExecutor
     from cpdpkit.sync import PeriodicSyncOptimizer
@@ -156,7 +157,8 @@ def executor(rank: int, tmp: str, replicate: Any, sites: list[Any]) -> dict[str,
     out: dict[str, Any] = {"ex_plan": (plan.mesh.shape, plan.state_sharding.axis), "ex_errors": []}
     for attempt in (lambda: TwoStageExecutor(pj.make_net(), plan, torch.optim.AdamW, mesh=site_mesh, max_grad_norm=1.0),
                     lambda: PeriodicSyncOptimizer(torch.optim.AdamW(pj.make_net().parameters()), model=make_ex(),
-                                                  group=cross)):
+                                                  group=cross),
+                    lambda: make_ex().attach_periodic_sync(object())):
         try:
             attempt()
         except Exception as exc:  # noqa: BLE001 - the test asserts the type and message
@@ -168,6 +170,7 @@ def executor(rank: int, tmp: str, replicate: Any, sites: list[Any]) -> dict[str,
     out["ex_ref_loss"] = train(plain, ref, rank, range(STEPS), 5)
     out["ex_ref"] = full(plain)
     ex, opt = build()
+    out["ex_contract"] = (isinstance(ex, SyncedExecutor), isinstance(opt, OuterSync))
     out["ex_loss"] = train(ex.model, opt, rank, range(STEPS), 5)
     ex.wait_exchanges()  # stage-2 units reach the model at the next forward otherwise
     out["ex"] = full(ex.model)

@@ -177,6 +177,22 @@ def test_directory_that_is_a_file_is_refused(tmp_path: Path) -> None:
                                "(it is created if missing)")
 
 
+def test_objects_that_are_not_dcp_stateful_are_refused_before_any_collective(tmp_path: Path) -> None:
+    class SaveOnly:  # state_dict without load_state_dict: not torch.distributed.checkpoint's Stateful
+        def state_dict(self) -> dict:
+            return {}
+
+    model = nn.Linear(2, 2)
+    ckpt = Checkpointer(tmp_path / "ckpt", every=1)
+    fix = "pass a torch optimizer, PeriodicSyncOptimizer, TwoStageExecutor or an object with both methods"
+    with pytest.raises(CheckpointError) as info:
+        ckpt.maybe_save(1, model=model, optimizer=SaveOnly())
+    assert str(info.value) == f"optimizer = SaveOnly has no state_dict/load_state_dict: {fix}"
+    with pytest.raises(CheckpointError) as info:
+        ckpt.restore(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), extra={"s": SaveOnly()})
+    assert str(info.value) == f"extra['s'] = SaveOnly has no state_dict/load_state_dict: {fix}"
+
+
 def test_no_checkpoint_restores_nothing(world1, tmp_path: Path) -> None:
     model, opt, _ = _setup({"strategy": "cpdp"})
     before = {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -74,6 +74,15 @@ def test_errors_without_process_group():
     with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer, got list"):
         PeriodicSyncOptimizer([], model=model)  # type: ignore[arg-type]
 
+    class HookOnly:  # not a cpdpkit.contracts.SyncedExecutor: one of its methods is not the contract
+        def attach_periodic_sync(self, outer: object) -> list:
+            return []
+
+    with pytest.raises(TypeError) as info:
+        PeriodicSyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=HookOnly())
+    assert str(info.value) == ("model must be an nn.Module or a TwoStageExecutor, got HookOnly: "
+                               "pass model=<your module>")
+
 
 def _foreign_and_fp16(rank: int, world: int) -> dict:
     out = {}

@@ -107,7 +107,10 @@ def test_cpdp_over_a_two_stage_executor_per_site_equals_the_plain_path(ranks: li
             "world; clip with a mesh of the whole world",
             "ConfigError: optimizer is not the TwoStageExecutor's own: pass PeriodicSyncOptimizer(executor.optimizer, "
             "model=executor, group=<the replicate group>, ...)",
+            "TypeError: outer = object is not a cpdpkit.contracts.OuterSync: attach a PeriodicSyncOptimizer "
+            "(PeriodicSyncOptimizer(executor.optimizer, model=executor, ...))",
         ]
+        assert r["ex_contract"] == (True, True)  # the real pair satisfies the written contract, both ways
         assert r["ex_restored"] == 3
         assert r["ex_resumed_loss"] == r["ex_straight_loss"]
         assert _same(r["ex_resumed"], r["ex_straight"])

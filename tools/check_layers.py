@@ -2,7 +2,7 @@
 
 Dependencies point one way (docs/contracts.md and README.md show the picture)::
 
-    layer 0  errors, labels, the cpdpkit package itself
+    layer 0  errors, labels, contracts (the sync <-> shard Protocols), the cpdpkit package itself
     layer 1  network            the one α-β network model
     layer 2  topology           tiers, placement, Topology.group(ranks)
     layer 3  emulator (+ _env), planner, sync, tracing; profiler (installed as cpdpkit.profiler)
@@ -20,8 +20,8 @@ Rules, checked over every ``.py`` file under ``cpdpkit/`` and ``profiler/``:
   ``cpdpkit.network``, ``cpdpkit.topology`` and itself, and never torch, not even in a function.
 * **torch-free**: these modules do not import torch at module level (``cpdpkit --help``,
   ``cpdpkit plan``, ``profile`` and ``topology`` must start without it): ``cpdpkit/__init__``,
-  ``errors``, ``labels``, ``network``, ``topology``, ``_env``, ``planner/*`` (pure planning: the
-  appliers and executors that need torch are ``shard/*``), ``launch``, ``cli/*`` and
+  ``errors``, ``labels``, ``contracts``, ``network``, ``topology``, ``_env``, ``planner/*`` (pure
+  planning: the appliers and executors that need torch are ``shard/*``), ``launch``, ``cli/*`` and
   ``profiler/*``. Imports under ``if TYPE_CHECKING:`` and inside functions do not count.
 * **torch-free, transitive**: the same modules do not *reach* torch through the module-level
   imports of other cpdpkit modules either; one line per import that leaves the torch-free set
@@ -57,6 +57,8 @@ COMPONENTS: dict[str, tuple[int, tuple[str, ...]]] = {
     "cpdpkit": (0, ("cpdpkit",)),
     "errors": (0, ("cpdpkit.errors",)),
     "labels": (0, ("cpdpkit.labels",)),
+    # the sync <-> shard contract (typing.Protocols): below both, which do not import each other
+    "contracts": (0, ("cpdpkit.contracts",)),
     "network": (1, ("cpdpkit.network",)),
     "topology": (2, ("cpdpkit.topology",)),
     # _env holds the emulator's environment variable outside the package so that reading it
@@ -83,8 +85,8 @@ ALLOWED_PEERS = {("bench", "launch"): "bench runs every job through cpdpkit.laun
 PROFILER_MAY_IMPORT = ("cpdpkit", "errors", "labels", "network", "topology", "profiler")
 
 TORCH_FREE = (
-    "cpdpkit", "cpdpkit.errors", "cpdpkit.labels", "cpdpkit.network", "cpdpkit.topology", "cpdpkit._env",
-    "cpdpkit.planner.*", "cpdpkit.launch", "cpdpkit.cli.*", "cpdpkit.profiler.*",
+    "cpdpkit", "cpdpkit.errors", "cpdpkit.labels", "cpdpkit.contracts", "cpdpkit.network", "cpdpkit.topology",
+    "cpdpkit._env", "cpdpkit.planner.*", "cpdpkit.launch", "cpdpkit.cli.*", "cpdpkit.profiler.*",
 )
 TORCH_PACKAGES = ("torch", "torchvision", "torchaudio", "functorch")
 

@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.profiler import record_function
 from torch.utils._pytree import tree_leaves
 
+from cpdpkit.contracts import OuterSync
 from cpdpkit.errors import DistributedSetupError
 from cpdpkit.labels import SHARD
 from cpdpkit.planner.config import PlannerError
@@ -180,7 +181,7 @@ class SliceExecutor(ExecutorStateMixin):
         if self.max_grad_norm is not None and mesh.size() != dist.get_world_size():
             raise PlannerError(f"max_grad_norm with a mesh of {mesh.size()} of the world's {dist.get_world_size()} "
                                "ranks: the norm is all-reduced over the world; clip with a mesh of the whole world")
-        self._outer: Any = None  # PeriodicSyncOptimizer across replicas of this executor (attach_periodic_sync)
+        self._outer: OuterSync | None = None  # across replicas of this executor (attach_periodic_sync)
 
     def _setup_pipeline(self, units: list[SliceUnit], optimizer_factory: OptimizerFactory) -> None:
         """Build the inner optimizer over the slices, adopt the plan's schedule, register the hooks."""
@@ -414,14 +415,14 @@ class SliceExecutor(ExecutorStateMixin):
             u.slice_param.grad = None  # an outer optimizer's gradient buckets may have left theirs there
         if self.max_grad_norm is not None and self._coef is None:
             self._clip_norm()
-        defer = self._defers()
+        outer = self._outer if self._defers() else None
         for u in self._exec_order:
             if u.ready and not u.launched:
                 self._update(u, self._coef)
-                if not defer:
+                if outer is None:
                     self._launch(u)
-        if defer:
-            self._outer.after_updates()  # e.g. a reconciliation of the slices across replicas
+        if outer is not None:
+            outer.after_updates()  # e.g. a reconciliation of the slices across replicas
             for u in self._exec_order:
                 if u.ready and not u.launched:
                     self._launch(u)
@@ -467,8 +468,10 @@ class SliceExecutor(ExecutorStateMixin):
         self._set_gradient_sync(requires_gradient_sync)
 
     # ---- periodic sync across replicas of the whole executor -------------------------------------
-    def attach_periodic_sync(self, outer: Any) -> list[nn.Parameter]:
+    def attach_periodic_sync(self, outer: OuterSync) -> list[nn.Parameter]:
         """Let ``outer`` (a :class:`~cpdpkit.sync.PeriodicSyncOptimizer`) synchronise this executor across sites.
+
+        The contract, both ways, is :mod:`cpdpkit.contracts` (``outer`` must be an ``OuterSync``).
 
         On the backwards for which ``outer.gradient_sync_due()``, each slice gradient, once reduced inside
         the mesh, goes to ``outer.reduce_gradient(slice_param, grad)`` one gradient hook later, in hook
@@ -478,6 +481,9 @@ class SliceExecutor(ExecutorStateMixin):
         changes the slices after their update: then every update happens in :meth:`step`, then
         ``outer.after_updates()``, then the exchanges. Returns the slice parameters.
         """
+        if not isinstance(outer, OuterSync):
+            raise TypeError(f"outer = {type(outer).__name__} is not a cpdpkit.contracts.OuterSync: attach a "
+                            "PeriodicSyncOptimizer (PeriodicSyncOptimizer(executor.optimizer, model=executor, ...))")
         if self.max_grad_norm is not None:
             raise PlannerError(f"{type(self).__name__} with max_grad_norm under PeriodicSyncOptimizer: the norm would "
                                "be taken before the gradients are synchronised across sites; clip without it, or "

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from cpdpkit.contracts import SyncedExecutor
 from cpdpkit.errors import ConfigError, DistributedSetupError
 from cpdpkit.sync._comm import group_ranks
 from cpdpkit.sync._sharded import check_replica_layout, check_sharded_model
@@ -34,9 +35,9 @@ _EXECUTOR_FIX = ("build the executor on one site's sub-mesh: mesh = init_device_
 
 
 def is_executor(model: Any) -> bool:
-    """A cpdpkit slice executor (TwoStageExecutor, PartialShardExecutor), known by its hook (sync does not
-    import the planner)."""
-    return not isinstance(model, nn.Module) and callable(getattr(model, "attach_periodic_sync", None))
+    """A slice executor (TwoStageExecutor, PartialShardExecutor): a :class:`~cpdpkit.contracts.SyncedExecutor`
+    (sync does not import cpdpkit.shard, which sits above it)."""
+    return not isinstance(model, nn.Module) and isinstance(model, SyncedExecutor)
 
 
 def resolve_config(config: SyncConfig | None, options: dict[str, Any]) -> SyncConfig:
@@ -139,7 +140,7 @@ def validate_sharded(config: SyncConfig, model: nn.Module, params: list[torch.Te
     check_sharded_model(model, params, group, topology)
 
 
-def validate_executor(config: SyncConfig, ex: Any, optimizer: Any, group: Any, fast: Any,
+def validate_executor(config: SyncConfig, ex: SyncedExecutor, optimizer: Any, group: Any, fast: Any,
                       topology: Topology | None) -> None:
     """A slice executor: its mesh is one replica (a site), ``group`` crosses replicas."""
     name = type(ex).__name__
