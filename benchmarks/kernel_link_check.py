@@ -121,10 +121,10 @@ def _worker(job: str, repeats: int) -> None:
 
 
 def _model(rate_mbit: int) -> Any:
-    from cpdpkit.topology import Tier, Topology
+    from cpdpkit.topology import Tier, TopologySpec
 
     tier = Tier(name="VETH", latency_s=25e-6, bandwidth_bytes_per_s=rate_mbit * 1e6 / 8)
-    return Topology(name="veth", tiers=(Tier(name="LOCAL_NS", latency_s=1e-6, bandwidth_bytes_per_s=1e10), tier),
+    return TopologySpec(name="veth", tiers=(Tier(name="LOCAL_NS", latency_s=1e-6, bandwidth_bytes_per_s=1e10), tier),
                     intra_node_tier="LOCAL_NS", inter_node_tier="VETH", ranks_per_node=None, nodes_per_site=2)
 
 

@@ -40,7 +40,7 @@ from typing import Any
 
 from cpdpkit._env import TOPOLOGY_ENV
 from cpdpkit.errors import ConfigError, LaunchError
-from cpdpkit.topology import Topology, resolve_topology
+from cpdpkit.topology import Topology, TopologySpec, resolve_topology
 
 __all__ = ["LaunchConfig", "LaunchResult", "launch", "torchrun_args", "py_spy_executable", "active_profiler"]
 
@@ -67,7 +67,9 @@ class LaunchConfig:
     """How to launch a script (the torchrun options cpdpkit uses and passes through)."""
 
     nproc_per_node: int = 1
-    topology: str | None = None  # preset name or TOML path; None: no emulation
+    # preset name or TOML path (the ranks resolve it at their world size), or a placed Topology (written to a
+    # TOML file in the log folder for the ranks); None: no emulation
+    topology: str | Topology | None = None
     profile_dir: str | None = None
     py_spy_dir: str | None = None
     nnodes: str = "1"
@@ -100,11 +102,18 @@ class LaunchConfig:
         """nnodes × nproc_per_node when nnodes is fixed, else None (elastic)."""
         return int(self.nnodes) * self.nproc_per_node if ":" not in self.nnodes else None
 
-    def resolve_topology(self) -> Topology | None:
-        """The placed topology (checks now that it fits the world size), or None."""
+    def resolve_topology(self) -> Topology | TopologySpec | None:
+        """The topology, checked now: placed on the world size (the spec when the world is elastic), or None."""
         if self.topology is None:
             return None
+        if isinstance(self.topology, Topology):
+            return self.topology if self.world_size is None else self.topology.place(self.world_size)
         return resolve_topology(self.topology, world_size=self.world_size)
+
+    @property
+    def topology_name(self) -> str | None:
+        """What run.json records: the name or path given, or the placed topology's name."""
+        return self.topology.name if isinstance(self.topology, Topology) else self.topology
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,7 +175,7 @@ def torchrun_args(config: LaunchConfig, script: str, args: Sequence[str], *, log
     out += [f"--log-dir={log_dir}", "--redirects=2", "--tee=1", "--module", "cpdpkit._child"]
     if config.profile_dir is not None:
         out += ["--profile", str(config.profile_dir)]
-        info = {"topology": config.topology or "none", "script": script, **config.run_info}
+        info = {"topology": config.topology_name or "none", "script": script, **config.run_info}
         out += ["--run-info", json.dumps(info, default=str)]
     if config.py_spy_dir is not None:
         out += ["--py-spy", str(config.py_spy_dir)]
@@ -220,12 +229,18 @@ def launch(config: LaunchConfig, script: str, args: Sequence[str] = ()) -> Launc
     if config.py_spy_dir is not None:
         py_spy_executable()
     log_dir = config.log_dir or tempfile.mkdtemp(prefix="cpdpkit-launch-")
+    for_ranks = config.topology
+    if isinstance(for_ranks, Topology):  # the ranks read it back from a file: placed once, here or above
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        path = Path(log_dir) / "topology.toml"
+        path.write_text(for_ranks.to_toml(), encoding="utf-8")
+        for_ranks = str(path)
     earlier_runs = _run_log_dirs(log_dir)
     argv = torchrun_args(config, script, args, log_dir=log_dir)
     t0 = time.monotonic()
     failure: tuple[int, Any] | None = None
     exit_code = 0
-    with _launch_environment(config.topology, config.max_restarts):
+    with _launch_environment(for_ranks, config.max_restarts):
         try:
             run(parse_args(argv))
         except ChildFailedError as exc:

@@ -22,10 +22,10 @@ from torch._C._profiler import _ExperimentalConfig
 
 import _planner_jobs as pj
 from cpdpkit.emulator import EmulatorConfig, init_distributed, meter, register_emulated_backend
-from cpdpkit.topology import Tier, Topology
+from cpdpkit.topology import Tier, TopologySpec
 
 # Modeled times of 30-145 ms (latency and bandwidth terms both matter) dwarf gloo's own time and CPU noise.
-TEST_TOPOLOGY = Topology(
+TEST_TOPOLOGY = TopologySpec(
     name="test-wan",
     tiers=(
         Tier(name="LAN", latency_s=2e-3, bandwidth_bytes_per_s=1e9),

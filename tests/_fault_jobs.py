@@ -22,10 +22,10 @@ import torch.distributed as dist
 from cpdpkit.emulator import init_distributed, meter
 from cpdpkit.emulator.metering import makespan_s
 from cpdpkit.errors import CpdpkitError
-from cpdpkit.topology import Tier, Topology
+from cpdpkit.topology import Tier, TopologySpec
 
 # Two sites of up to 2 ranks: a 5 ms WAN keeps every collective short and still far above gloo's own time.
-TOPOLOGY = Topology(
+TOPOLOGY = TopologySpec(
     name="fault-wan",
     tiers=(Tier(name="LAN", latency_s=1e-3, bandwidth_bytes_per_s=1e9),
            Tier(name="WAN", latency_s=5e-3, bandwidth_bytes_per_s=100e6)),

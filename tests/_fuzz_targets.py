@@ -136,7 +136,7 @@ def _load_topology(folder: Path) -> None:
     path = _single_file(folder)
     topo = load_topology(path)
     topo.to_toml()
-    small = topo.world_size is None or topo.world_size <= 4096
+    small = topo.fixed_world_size is None or topo.fixed_world_size <= 4096
     for args in [["--json", str(path)]] + ([[str(path)]] if small else []):
         result = CliRunner().invoke(app, ["topology", "show", *args])
         if result.exit_code != 0 or result.exception is not None:

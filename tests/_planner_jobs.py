@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cpdpkit.topology import Tier, Topology
+from cpdpkit.topology import Tier, TopologySpec
 
 # The emulated case's links: two "sites" of two ranks, delays small enough to keep the test fast.
-FAST_WAN = Topology(
+FAST_WAN = TopologySpec(
     name="fast-wan",
     tiers=(Tier(name="LAN", latency_s=20e-6, bandwidth_bytes_per_s=10e9),
            Tier(name="WAN", latency_s=200e-6, bandwidth_bytes_per_s=1e9)),

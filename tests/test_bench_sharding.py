@@ -99,7 +99,8 @@ def test_quick_sharding_suite_runs_the_peers_and_executors_and_judges_their_goal
 @pytest.mark.slow
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("args, expect", [
-    (["--world-size", "3"], "world size 3 does not factor into topology 'cluster-slow-ib'"),
+    (["--world-size", "3"], "topology 'cluster-slow-ib' needs a world size divisible by 2 (1 site(s) x ? node(s) x "
+                            "2 rank(s)); got 3"),
     (["--world-size", "2"], "the sharding suite needs >= 2 nodes"),
     (["--optimizer", "adafactor"], "optimizer 'adafactor' is not elementwise"),
     (["--memory-budget", "1MiB"], "memory budget 1.00 MiB per rank is too small"),
@@ -206,7 +207,7 @@ def test_deprecated_suite_option_keeps_one_line_errors(tmp_path):
     assert result.exit_code == 2
     lines = result.stderr.strip().splitlines()
     assert lines[0] == NOTICE and len(lines) == 2, result.stderr
-    assert lines[1].startswith("error: world size 3 does not factor into topology 'cluster-slow-ib'")
+    assert lines[1].startswith("error: topology 'cluster-slow-ib' needs a world size divisible by 2")
     assert not (tmp_path / "w").exists()
 
 

@@ -1,4 +1,4 @@
-"""Injected faults (cpdpkit.network.FaultPlan, applied by the emulator): parsing, and each kind on
+"""Injected faults (cpdpkit.faults.FaultPlan, applied by the emulator): parsing, and each kind on
 2 real gloo ranks, each rank its own process (tests/_fault_jobs.py) so every exit code and every
 line of stderr is checked: training goes on (spikes, a slow rank, a short link outage) or every
 rank ends within its timeout with one line naming the op, the group and the missing ranks."""
@@ -11,6 +11,7 @@ import random
 import subprocess
 import sys
 import time
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from _fault_jobs import NUM_BYTES, TOPOLOGY
 from cpdpkit._env import faults_from_env
 from cpdpkit.emulator.faults import FaultInjector, LinkDownError
 from cpdpkit.errors import DistributedSetupError, TopologyError
-from cpdpkit.network import FaultPlan
+from cpdpkit.faults import FaultPlan
 from cpdpkit.topology import parse_topology_toml
 
 JOB = Path(__file__).with_name("_fault_jobs.py")
@@ -89,6 +90,10 @@ dead_peer = {rank = 1, at_collective = 20, mode = "hang"}
     topo = parse_topology_toml('name = "t"\n[placement]\nranks_per_node = 1\n[levels]\nintra_node = "LAN"\n'
                                '[tiers.LAN]\nlatency_s = 1e-4\nbandwidth_bytes_per_s = 1e9\n' + toml)
     assert topo.faults == plan
+    # written back (a placed topology reaches launched ranks as a TOML file): the same plan, the same topology
+    for kept in (plan, FaultPlan(seed=1, link_down=("WAN", None, 0.5, 1.0), dead_peer=(0, None, 2.5, "exit"))):
+        assert FaultPlan.from_mapping(tomllib.loads(kept.to_toml())["faults"]) == kept
+    assert parse_topology_toml(topo.to_toml()) == topo and "[faults]\nseed = 3\n" in topo.to_toml()
     assert faults_from_env({}) is None and faults_from_env({"CPDPKIT_FAULTS": " "}) is None
 
 

@@ -123,8 +123,8 @@ def _message(target: str, case_name: str) -> str:
                                         "cpdpkit plan --json's file"),
     ("cifar", "label-out-of-range", "/cifar-100-python/train: the fine labels are int64 of shape (1,), expected 1 "
                                     "integers in 0..99 (one per image): re-extract it"),
-    ("image-folder", "annotations-not-utf8", "/val/val_annotations.txt is not UTF-8 text (byte 10: invalid start "
-                                             "byte): re-extract it"),
+    ("image-folder", "annotations-not-utf8", "/val/val_annotations.txt' is not UTF-8 text (byte 10: invalid start "
+                                             "byte); re-extract it"),
 ])
 def test_fixed_messages_name_the_value_and_the_fix(target: str, case_name: str, expected: str) -> None:
     assert _message(target, case_name) == expected

@@ -64,9 +64,18 @@ def test_torchrun_args_use_a_free_port_by_default() -> None:
     assert "--standalone" not in multi
 
 
+def test_a_placed_topology_is_passed_on_not_resolved_again() -> None:
+    placed = preset("wan", world_size=4)
+    config = LaunchConfig(nproc_per_node=4, topology=placed, profile_dir="/tmp/p")
+    assert config.resolve_topology() is placed and config.topology_name == "wan"
+    assert '"topology": "wan"' in torchrun_args(config, "s.py", [], log_dir="/tmp/l")[-3]  # run.json names it
+    with pytest.raises(TopologyError, match=r"^topology 'wan' places 4 ranks .* but the world size is 2; "):
+        LaunchConfig(nproc_per_node=2, topology=placed).resolve_topology()
+
+
 def test_topology_env_is_read_in_one_place(tmp_path: Path) -> None:
-    assert topology_from_env({}) is None
-    assert topology_from_env({TOPOLOGY_ENV: " "}) is None
+    assert topology_from_env({}, world_size=2) is None
+    assert topology_from_env({TOPOLOGY_ENV: " "}, world_size=2) is None
     assert topology_from_env({TOPOLOGY_ENV: "wan"}, world_size=2) == preset("wan", world_size=2)
     path = tmp_path / "t.toml"
     path.write_text(preset("cluster", world_size=4).to_toml())
@@ -84,14 +93,14 @@ def test_launch_bad_input_raises_before_starting(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("args", "message"), [
     (["topology", "show", "moon"],
-     "error: unknown topology preset 'moon'; use one of lan, wan, wan-variable, cluster, multisite or a path to "
-     "a .toml file"),
+     "error: unknown topology preset 'moon'; use one of lan, wan, wan-variable, cluster, multisite, "
+     "cluster-slow-ib or a path to a .toml file"),
     (["topology", "show", "wan", "--world-size", "3"],
      "error: topology 'wan' needs a world size divisible by 2 (2 site(s) x 1 node(s) x ? rank(s)); got 3; "
      "run a multiple of 2 ranks or use a TOML file"),
     (["launch", "--nproc-per-node", "2", "--topology", "moon", TINY],
-     "error: unknown topology preset 'moon'; use one of lan, wan, wan-variable, cluster, multisite or a path to "
-     "a .toml file"),
+     "error: unknown topology preset 'moon'; use one of lan, wan, wan-variable, cluster, multisite, "
+     "cluster-slow-ib or a path to a .toml file"),
     (["launch", "--nproc-per-node", "2", "nope.py"],
      "error: script 'nope.py' does not exist; pass the path of a Python file"),
 ])

@@ -24,12 +24,12 @@ import torch.distributed as dist
 
 import _planner_jobs as pj
 from cpdpkit.planner import PlannerConfig, ShardingPlan, plan_sharding
-from cpdpkit.topology import Tier, Topology
+from cpdpkit.topology import Tier, TopologySpec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(pj.SHARED_TIMEOUT_S)]  # planner_spawn: all of it
 
 WORLD = 4
-TWO_NODES = Topology(
+TWO_NODES = TopologySpec(
     name="two-nodes",
     tiers=(Tier(name="NVLINK", latency_s=20e-6, bandwidth_bytes_per_s=10e9),
            Tier(name="IB", latency_s=200e-6, bandwidth_bytes_per_s=1e9)),

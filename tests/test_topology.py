@@ -13,6 +13,7 @@ from cpdpkit.topology import (
     PRESETS,
     Tier,
     Topology,
+    TopologySpec,
     format_ranks,
     load_topology,
     parse_topology_toml,
@@ -109,18 +110,31 @@ def test_planner_scale_is_cheap() -> None:
 
 def test_toml_round_trip_and_dict_round_trip(tmp_path) -> None:
     for name in PRESETS:
-        for topo in (preset(name), preset(name, world_size=4)):
-            assert parse_topology_toml(topo.to_toml()) == topo
-            assert Topology.from_dict(topo.to_dict()) == topo
+        spec, placed = preset(name), preset(name, world_size=4)
+        assert isinstance(spec, TopologySpec) and isinstance(placed, Topology)
+        assert parse_topology_toml(spec.to_toml()) == spec
+        assert TopologySpec.from_dict(spec.to_dict()) == spec
+        # a placed topology writes every count: it reads back as a spec that places on its world size only
+        assert parse_topology_toml(placed.to_toml()) == placed.spec()
+        assert parse_topology_toml(placed.to_toml()).place(4) == placed == Topology.from_dict(placed.to_dict())
     path = tmp_path / "mine.toml"
-    jittery = Topology(name="mine", tiers=(Tier(name="X", latency_s=1e-3, bandwidth_bytes_per_s=1e9,
-                                                 latency_jitter_frac=0.25, bandwidth_jitter_frac=0.125),),
-                       intra_node_tier="X", ranks_per_node=4)
+    jittery = TopologySpec(name="mine", tiers=(Tier(name="X", latency_s=1e-3, bandwidth_bytes_per_s=1e9,
+                                                     latency_jitter_frac=0.25, bandwidth_jitter_frac=0.125),),
+                           intra_node_tier="X", ranks_per_node=4)
     path.write_text(jittery.to_toml())
     assert "latency_jitter_frac = 0.25\nbandwidth_jitter_frac = 0.125\n" in path.read_text()
     assert load_topology(path) == jittery
     assert load_topology(path).tier("X").bandwidth_jitter_frac == 0.125
-    assert resolve_topology(str(path), world_size=4) == jittery
+    assert resolve_topology(str(path), world_size=4) == jittery.place(4)
+    assert resolve_topology(str(path), world_size=4).world_size == jittery.fixed_world_size == 4
+
+
+def test_cluster_slow_ib_is_a_preset_like_the_others() -> None:
+    topo = resolve_topology("cluster-slow-ib", world_size=4)  # the sharding suite's default, registered here
+    assert (topo.num_sites, topo.nodes_per_site, topo.ranks_per_node) == (1, 2, 2)
+    assert (topo.tier("IB").latency_s, topo.tier("IB").bandwidth_bytes_per_s) == (1e-3, 150e6)
+    assert topo.tier("NVLINK") == preset("cluster").tier("NVLINK")
+    assert topo.tier_of([0, 2]).name == "IB" and PRESETS["cluster-slow-ib"] == topo.description
 
 
 def test_wan_variable_preset_is_wan_with_jitter() -> None:
@@ -203,7 +217,8 @@ def _bad_base(old: str, new: str):
 
 ERRORS = [
     (lambda: preset("moon"),
-     "unknown topology preset 'moon'; use one of lan, wan, wan-variable, cluster, multisite or a path to a .toml file"),
+     "unknown topology preset 'moon'; use one of lan, wan, wan-variable, cluster, multisite, cluster-slow-ib or a "
+     "path to a .toml file"),
     (lambda: preset("wan", world_size=3),
      "topology 'wan' needs a world size divisible by 2 (2 site(s) x 1 node(s) x ? rank(s)); got 3; "
      "run a multiple of 2 ranks or use a TOML file"),
@@ -214,9 +229,12 @@ ERRORS = [
     (lambda: preset("wan", world_size=2).place(4),
      "topology 'wan' places 2 ranks (2 site(s) x 1 node(s) x 1 rank(s)) but the world size is 4; "
      "change its placement or run 2 ranks"),
-    (lambda: preset("wan").tier_of([0, 1]),
-     "topology 'wan' is not placed yet (2 site(s) x 1 node(s) x ? rank(s)); "
-     "call place(world_size) or pass --world-size"),
+    (lambda: Topology(**{**preset("wan").__dict__, "ranks_per_node": None}),  # an open count is a spec's
+     "topology 'wan': ranks_per_node is unset, but a placed Topology has every placement count; leave it open in a "
+     "TopologySpec and call place(world_size)"),
+    (lambda: Topology.from_dict(preset("wan").to_dict()),  # a plan's JSON holds a placed topology
+     "topology 'wan': ranks_per_node is unset, but a placed Topology has every placement count; leave it open in a "
+     "TopologySpec and call place(world_size)"),
     (lambda: preset("wan", world_size=2).tier_between(0, 5),
      "rank 5 is outside topology 'wan' (world size 2); use 0..1"),
     (lambda: preset("wan", world_size=2).collective_time_s("gossip", 1, [0, 1]),
@@ -268,8 +286,8 @@ ERRORS = [
      "t.toml: not valid TOML (Invalid value (at line 1, column 8)); fix the syntax"),
     (lambda: load_topology("/nonexistent/x.toml"),
      "topology file '/nonexistent/x.toml' cannot be read (No such file or directory); check the path"),
-    (lambda: Topology(name="t", tiers=(Tier(name="A", latency_s=0, bandwidth_bytes_per_s=1),), intra_node_tier="A",
-                      ranks_per_node=None, nodes_per_site=None),
+    (lambda: TopologySpec(name="t", tiers=(Tier(name="A", latency_s=0, bandwidth_bytes_per_s=1),),
+                          intra_node_tier="A", ranks_per_node=None, nodes_per_site=None),
      "topology 't': ranks_per_node and nodes_per_site are both unset; leave at most one placement count unset "
      "(it is derived from the world size)"),
 ]

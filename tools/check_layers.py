@@ -3,7 +3,7 @@
 Dependencies point one way (docs/contracts.md and README.md show the picture)::
 
     layer 0  errors, labels, contracts (the sync <-> shard Protocols), the cpdpkit package itself
-    layer 1  network            the one α-β network model
+    layer 1  network            the one α-β network model; faults (FaultPlan); _text_file (the file reader)
     layer 2  topology           tiers, placement, Topology.group(ranks)
     layer 3  emulator (+ _env), planner, sync, tracing; profiler (installed as cpdpkit.profiler)
     layer 4  shard              the executors that train a plan (they import the planner)
@@ -60,6 +60,10 @@ COMPONENTS: dict[str, tuple[int, tuple[str, ...]]] = {
     # the sync <-> shard contract (typing.Protocols): below both, which do not import each other
     "contracts": (0, ("cpdpkit.contracts",)),
     "network": (1, ("cpdpkit.network",)),
+    # injected faults as data (the topology's [faults] table; the emulator applies them)
+    "faults": (1, ("cpdpkit.faults",)),
+    # the one bounded UTF-8 reader of user files (topology, plan, annotations)
+    "files": (1, ("cpdpkit._text_file",)),
     "topology": (2, ("cpdpkit.topology",)),
     # _env holds the emulator's environment variable outside the package so that reading it
     # does not run cpdpkit/emulator/__init__ (which imports torch)
@@ -85,7 +89,8 @@ ALLOWED_PEERS = {("bench", "launch"): "bench runs every job through cpdpkit.laun
 PROFILER_MAY_IMPORT = ("cpdpkit", "errors", "labels", "network", "topology", "profiler")
 
 TORCH_FREE = (
-    "cpdpkit", "cpdpkit.errors", "cpdpkit.labels", "cpdpkit.contracts", "cpdpkit.network", "cpdpkit.topology",
+    "cpdpkit", "cpdpkit.errors", "cpdpkit.labels", "cpdpkit.contracts", "cpdpkit.network", "cpdpkit.faults",
+    "cpdpkit._text_file", "cpdpkit.topology",
     "cpdpkit._env", "cpdpkit.planner.*", "cpdpkit.launch", "cpdpkit.cli.*", "cpdpkit.profiler.*",
 )
 TORCH_PACKAGES = ("torch", "torchvision", "torchaudio", "functorch")

@@ -46,8 +46,6 @@ def run_jobs(strategies: Iterable[str], *, work_dir: Path, topology: Topology, w
     from cpdpkit.launch import LaunchConfig, launch
 
     work_dir.mkdir(parents=True, exist_ok=True)
-    topo_path = work_dir / "topology.toml"
-    topo_path.write_text(topology.to_toml())
     results = []
     for strategy in strategies:
         emit(("start", strategy))
@@ -61,7 +59,7 @@ def run_jobs(strategies: Iterable[str], *, work_dir: Path, topology: Topology, w
         (run_dir / RESULT_FILE).unlink(missing_ok=True)
         (run_dir / SPEC_FILE).write_text(json.dumps(spec_for(strategy), indent=1))
         t0 = time.perf_counter()
-        res = launch(LaunchConfig(nproc_per_node=world_size, topology=str(topo_path),
+        res = launch(LaunchConfig(nproc_per_node=world_size, topology=topology,
                                   log_dir=str(run_dir / "logs")), worker_file, [str(run_dir)])
         launch_s = time.perf_counter() - t0
         path = run_dir / RESULT_FILE

@@ -150,11 +150,11 @@ class Prepared:
 
     @property
     def num_sites(self) -> int:
-        return self.topology.num_sites  # type: ignore[return-value]
+        return self.topology.num_sites
 
     @property
     def ranks_per_site(self) -> int:
-        return self.topology.world_size // self.num_sites  # type: ignore[operator]
+        return self.topology.world_size // self.num_sites
 
     def modeled_wan_s_per_step(self, period: int) -> dict[str, float]:
         """The network model's WAN seconds per step if none overlapped compute: hsdp-global all-reduces every
@@ -176,7 +176,7 @@ def prepare(config: HybridBenchConfig) -> Prepared:
     from cpdpkit.bench.gpt import TinyGPT, gpt_preset
 
     topo = resolve_topology(config.topology, world_size=config.world_size)
-    if (topo.num_sites or 1) < 2:
+    if topo.num_sites < 2:
         raise ConfigError(f"topology {config.topology!r} places {config.world_size} ranks on 1 site: the hybrid suite "
                           "needs >= 2 sites (its replicate axis spans the link between them); use e.g. "
                           "--topology multisite")
@@ -192,7 +192,7 @@ def _site_plan(topo: Topology, model: Any) -> dict[str, Any]:
     """The planner's plan for one site's ranks alone: optimizer state sharded across them, parameters replicated."""
     from cpdpkit.planner import PlannerConfig, plan_sharding
 
-    ranks = topo.world_size // topo.num_sites  # type: ignore[operator]
+    ranks = topo.world_size // topo.num_sites
     site = dataclasses.replace(topo, num_sites=1, inter_site_tier=None)
     config = PlannerConfig(param_dtype="float32", grad_dtype="float32", optim_state_bytes_per_param=8,
                            shard_size=1, param_sharding="sharded")

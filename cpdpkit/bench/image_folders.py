@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from cpdpkit._text_file import read_text_file
 from cpdpkit.bench.dataset import Dataset
 from cpdpkit.errors import ConfigError
 
@@ -106,10 +107,8 @@ def _val_files(folder: Path, layout: str, classes: list[str]) -> list[tuple[Path
 
 
 def _annotations(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason}): re-extract it") from None
+    # TinyImageNet's val_annotations.txt is 10,000 lines (about 0.4 MB)
+    return read_text_file(path, what="annotations file", max_bytes=64 << 20, error=ConfigError, fix="re-extract it")
 
 
 def _balanced_first(files: list[tuple[Path, int]], limit: int) -> list[tuple[Path, int]]:

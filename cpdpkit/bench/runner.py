@@ -22,8 +22,9 @@ from typing import Any
 from cpdpkit.bench.config import BenchConfig, RunSpec
 from cpdpkit.bench.report import BenchReport, aggregate
 from cpdpkit.bench.worker import PROGRESS_FILE, RESULT_FILE, SPEC_FILE
+from cpdpkit.topology import Topology, resolve_topology
 
-__all__ = ["run_bench", "run_one"]
+__all__ = ["resolve_bench_topologies", "run_bench", "run_one"]
 
 Event = tuple[Any, ...]
 
@@ -35,7 +36,8 @@ def _run_dir(work_dir: Path, spec: RunSpec, config: BenchConfig) -> Path:
     return work_dir / f"{name}-seed{spec.seed}"
 
 
-def _launch(run_dir: Path, config: BenchConfig, topology: str, *, max_restarts: int = 0) -> tuple[int, str, int]:
+def _launch(run_dir: Path, config: BenchConfig, topology: str | Topology, *,
+            max_restarts: int = 0) -> tuple[int, str, int]:
     """Launch the worker on ``config.world_size`` ranks over ``topology``; ``(exit code, error line, restarts)``."""
     from cpdpkit.bench import worker
     from cpdpkit.launch import LaunchConfig, launch
@@ -66,9 +68,11 @@ def _watch(run_dir: Path, spec: RunSpec, emit: Callable[[Event], None], stop: th
             seen += 1
 
 
-def run_one(spec: RunSpec, config: BenchConfig, work_dir: Path,
-            emit: Callable[[Event], None] = lambda e: None) -> dict[str, Any]:
-    """Launch one run and return its result (with status and reason on failure)."""
+def run_one(spec: RunSpec, config: BenchConfig, work_dir: Path, emit: Callable[[Event], None] = lambda e: None,
+            *, topology: Topology | None = None) -> dict[str, Any]:
+    """Launch one run and return its result (with status and reason on failure). ``topology``: the spec's,
+    placed (``None``: the launcher resolves the spec's name)."""
+    where = topology if topology is not None else spec.topology or config.topology
     run_dir = _run_dir(work_dir, spec, config)
     _prepare(run_dir, spec)
     emit(("start", spec))
@@ -77,8 +81,7 @@ def run_one(spec: RunSpec, config: BenchConfig, work_dir: Path,
     watcher.start()
     start = time.perf_counter()
     try:
-        code, error, restarts = _launch(run_dir, config, spec.topology or config.topology,
-                                        max_restarts=1 if spec.fault else 0)
+        code, error, restarts = _launch(run_dir, config, where, max_restarts=1 if spec.fault else 0)
     finally:
         stop.set()
         watcher.join()
@@ -89,7 +92,7 @@ def run_one(spec: RunSpec, config: BenchConfig, work_dir: Path,
     result["run_dir"] = str(run_dir)
     if spec.fault:
         result["restarts"] = restarts
-        result["fault"] = _compare_with_uninterrupted(spec, config, run_dir, result, restarts)
+        result["fault"] = _compare_with_uninterrupted(spec, config, run_dir, result, restarts, where)
     emit(("done", spec, result))
     return result
 
@@ -111,12 +114,12 @@ def _read_result(run_dir: Path, spec: RunSpec, code: int, error: str) -> dict[st
 
 
 def _compare_with_uninterrupted(spec: RunSpec, config: BenchConfig, run_dir: Path, result: dict[str, Any],
-                                restarts: int) -> dict[str, Any]:
+                                restarts: int, topology: str | Topology) -> dict[str, Any]:
     """Run ``spec`` again without the fault (same checkpoints) and compare every rank's final parameters."""
     clean = dataclasses.replace(spec, fault=None)
     ref_dir = run_dir.with_name(run_dir.name + "-uninterrupted")
     _prepare(ref_dir, clean)
-    code, error, _ = _launch(ref_dir, config, spec.topology or config.topology)
+    code, error, _ = _launch(ref_dir, config, topology)
     reference = _read_result(ref_dir, clean, code, error)
     mine, theirs = result.get("final_params_sha256"), reference.get("final_params_sha256")
     return {"injected": spec.fault, "restarts": restarts, "resumed_from_step": result.get("resumed_from_step"),
@@ -125,9 +128,17 @@ def _compare_with_uninterrupted(spec: RunSpec, config: BenchConfig, run_dir: Pat
             "uninterrupted_status": reference.get("status"), "uninterrupted_run_dir": str(ref_dir)}
 
 
-def run_bench(config: BenchConfig, work_dir: Path,
-              emit: Callable[[Event], None] = lambda e: None) -> BenchReport:
-    """Run every (topology, strategy, period, seed) of ``config``; aggregate over seeds."""
+def resolve_bench_topologies(config: BenchConfig) -> dict[str, Topology]:
+    """Each of ``config.topology_names`` placed on its world size (a bad one fails here, before any launch)."""
+    return {name: resolve_topology(name, world_size=config.world_size) for name in config.topology_names}
+
+
+def run_bench(config: BenchConfig, work_dir: Path, emit: Callable[[Event], None] = lambda e: None, *,
+              topologies: dict[str, Topology] | None = None) -> BenchReport:
+    """Run every (topology, strategy, period, seed) of ``config``; aggregate over seeds. ``topologies``: the
+    placed topologies (:func:`resolve_bench_topologies`; resolved here when not given)."""
+    placed = topologies if topologies is not None else resolve_bench_topologies(config)
     work_dir.mkdir(parents=True, exist_ok=True)
-    runs = [run_one(spec, config, work_dir, emit) for spec in config.runs()]
+    runs = [run_one(spec, config, work_dir, emit, topology=placed[spec.topology or config.topology])
+            for spec in config.runs()]
     return aggregate(config.to_dict(), runs)

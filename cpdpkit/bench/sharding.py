@@ -35,7 +35,7 @@ Everything is validated and planned here, in the parent, before any process star
 size that does not fit the topology, a non-elementwise optimizer or a unit too large for the
 memory budget is one :class:`~cpdpkit.errors.ConfigError` line.
 
-Default topology ``cluster-slow-ib`` (:data:`CLUSTER_SLOW_IB`): nodes of 2 ranks joined by an
+Default topology ``cluster-slow-ib`` (a preset of :mod:`cpdpkit.topology`): nodes of 2 ranks joined by an
 "IB" tier of 1 ms latency and 150 MB/s. A real HDR link is 5 us / 25 GB/s, but a GPU computes
 about 1,000x faster than the two CPU cores this runs on; scaling the link down by ~170x keeps
 communication a comparable share of a step (a gradient shard of the default model takes ~10 ms
@@ -53,12 +53,12 @@ from typing import TYPE_CHECKING, Any
 from cpdpkit.bench.gpt import gpt_preset
 from cpdpkit.bench.report import SuiteReport
 from cpdpkit.errors import ConfigError
-from cpdpkit.topology import Tier, Topology, resolve_topology
+from cpdpkit.topology import Topology, resolve_topology
 
 if TYPE_CHECKING:
     from cpdpkit.planner import ShardingPlan
 
-__all__ = ["SHARDING_STRATEGIES", "DEFAULT_STRATEGIES", "CLUSTER_SLOW_IB", "ShardingBenchConfig", "ShardingReport",
+__all__ = ["SHARDING_STRATEGIES", "DEFAULT_STRATEGIES", "ShardingBenchConfig", "ShardingReport",
            "prepare", "run_sharding_bench", "unsupported_reason"]
 
 SHARDING_STRATEGIES = ("fsdp2", "hsdp", "zero1", "zero1-overlap", "planned", "two-stage", "partial")
@@ -66,14 +66,6 @@ SHARDING_STRATEGIES = ("fsdp2", "hsdp", "zero1", "zero1-overlap", "planned", "tw
 # of it the 7 jobs' start-up (~15 s each); --strategies picks a subset.
 DEFAULT_STRATEGIES = SHARDING_STRATEGIES
 _PEERS = ("fsdp2", "hsdp", "zero1", "zero1-overlap")  # torch's own; two-stage's step time is compared with them
-CLUSTER_SLOW_IB = Topology(
-    name="cluster-slow-ib",
-    tiers=(Tier(name="NVLINK", latency_s=3e-6, bandwidth_bytes_per_s=300e9),
-           Tier(name="IB", latency_s=1e-3, bandwidth_bytes_per_s=150e6)),
-    intra_node_tier="NVLINK", inter_node_tier="IB", ranks_per_node=2, nodes_per_site=None, num_sites=1,
-    description="nodes of 2 ranks: NVLINK inside (3 us, 300 GB/s), IB between scaled to CPU compute "
-                "(1 ms, 150 MB/s)",
-)
 # Optimizers by name: elementwise ones (TwoStageExecutor can run them) and known others (refused).
 _ELEMENTWISE = ("adamw", "adam", "sgd")
 _NOT_ELEMENTWISE = ("adafactor", "lbfgs")
@@ -137,20 +129,14 @@ class ShardingBenchConfig:
 
 
 def resolve_bench_topology(name: str, world_size: int) -> Topology:
-    """The placed topology: ``cluster-slow-ib`` (this module's), a preset or a TOML path.
+    """The placed topology (a preset such as ``cluster-slow-ib``, or a TOML path).
 
-    Raises a one-line ConfigError when the world size does not factor into >= 2 nodes.
+    Raises one line when the world size does not place on it, or not into >= 2 nodes.
     """
-    if name == CLUSTER_SLOW_IB.name:
-        if world_size % CLUSTER_SLOW_IB.ranks_per_node:
-            raise ConfigError(f"world size {world_size} does not factor into topology {name!r} (nodes of "
-                              f"{CLUSTER_SLOW_IB.ranks_per_node} ranks): use an even --world-size such as 4")
-        topo = CLUSTER_SLOW_IB.place(world_size)
-    else:
-        topo = resolve_topology(name, world_size=world_size)
+    topo = resolve_topology(name, world_size=world_size)
     rpn = topo.ranks_per_node
-    if rpn is None or world_size % rpn or world_size // rpn < 2:
-        raise ConfigError(f"world size {world_size} on topology {name!r} gives {world_size // (rpn or world_size)} "
+    if world_size // rpn < 2:
+        raise ConfigError(f"world size {world_size} on topology {name!r} gives {world_size // rpn} "
                           f"node(s) of {rpn} ranks: the sharding suite needs >= 2 nodes (replicas) of equal size; "
                           "use e.g. --world-size 4 --topology cluster-slow-ib")
     return topo
@@ -164,11 +150,11 @@ class Prepared:
 
     @property
     def ranks_per_node(self) -> int:
-        return self.topology.ranks_per_node  # type: ignore[return-value]
+        return self.topology.ranks_per_node
 
     @property
     def num_replicas(self) -> int:
-        return self.topology.world_size // self.ranks_per_node  # type: ignore[operator]
+        return self.topology.world_size // self.ranks_per_node
 
     def plan_for(self, strategy: str) -> ShardingPlan:
         return self.partial_plan if strategy == "partial" and self.partial_plan is not None else self.plan

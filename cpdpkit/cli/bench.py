@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
     from cpdpkit.bench.config import BenchConfig
     from cpdpkit.bench.report import BenchReport, StrategyResult
+    from cpdpkit.topology import Topology
 
 __all__ = ["bench_app", "bench", "sharding", "hybrid"]
 
@@ -291,14 +292,13 @@ def hybrid(
 
 # ---- the main job: run, table, --json, --plot -------------------------------------------------------
 def _run_main(config: BenchConfig, *, json_out: str | None, plot: str | None, work_dir: str | None) -> None:
-    from cpdpkit.topology import resolve_topology
+    from cpdpkit.bench.runner import resolve_bench_topologies
 
-    for name in config.topology_names:  # a bad topology fails before any launch
-        resolve_topology(name, world_size=config.world_size)
+    topologies = resolve_bench_topologies(config)  # once, here: a bad topology fails before any launch
     prepare_output(json_out, "--json")  # so does an output path that cannot be written
     prepare_output(plot, "--plot")
     with tempfile.TemporaryDirectory(prefix="cpdpkit-bench-") as tmp:
-        report = _run_with_progress(config, Path(work_dir or tmp))
+        report = _run_with_progress(config, Path(work_dir or tmp), topologies)
     _print_report(report)
     if json_out:
         Path(json_out).write_text(json.dumps(report.to_dict(), indent=1))
@@ -346,7 +346,7 @@ def _fault_lines(data: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _run_with_progress(config: BenchConfig, work_dir: Path) -> BenchReport:
+def _run_with_progress(config: BenchConfig, work_dir: Path, topologies: dict[str, Topology]) -> BenchReport:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from cpdpkit.bench.runner import run_bench
@@ -370,7 +370,7 @@ def _run_with_progress(config: BenchConfig, work_dir: Path) -> BenchReport:
             elif kind == "done":
                 progress.advance(overall)
 
-        return run_bench(config, work_dir, on_event)
+        return run_bench(config, work_dir, on_event, topologies=topologies)
 
 
 def _fmt(value: float | None, spec: str, signed: bool = False) -> str:

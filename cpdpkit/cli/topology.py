@@ -17,7 +17,7 @@ from rich.table import Table
 from cpdpkit.cli._app import app, out_console
 
 if TYPE_CHECKING:  # cpdpkit.topology loads when the command runs, not for every `cpdpkit --help`
-    from cpdpkit.topology import Tier, Topology
+    from cpdpkit.topology import Tier, Topology, TopologySpec
 
 __all__ = ["topology_app", "render_topology"]
 
@@ -54,9 +54,9 @@ def _fmt_ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f} ms"
 
 
-def render_topology(topo: Topology) -> list[Table]:
+def render_topology(topo: Topology | TopologySpec) -> list[Table]:
     """Rich tables: tiers with the levels that use them, and (when placed) sample collective costs."""
-    from cpdpkit.topology import COLLECTIVE_OPS, format_ranks
+    from cpdpkit.topology import COLLECTIVE_OPS, Topology, format_ranks
 
     levels = {"intra_node_tier": "same node", "inter_node_tier": "same site", "inter_site_tier": "between sites"}
     # a name or description from a TOML file is text, never rich markup ("[/x]" would raise MarkupError)
@@ -67,9 +67,9 @@ def render_topology(topo: Topology) -> list[Table]:
         used = ", ".join(label for f, label in levels.items() if getattr(topo, f) == t.name) or "-"
         tiers.add_row(t.name, _fmt_latency(t.latency_s), _fmt_bandwidth(t.bandwidth_bytes_per_s), used,
                       _fmt_jitter(t))
-    if not topo.is_placed:
+    if not isinstance(topo, Topology):
         return [tiers]
-    world = topo.world_size or 1
+    world = topo.world_size
     costs = Table(title=f"modeled time of {_SAMPLE_BYTES >> 20} MiB over all {world} ranks "
                         f"(ranks {format_ranks(range(world))})", title_justify="left")
     variable = any(t.is_variable for t in topo.tiers)
@@ -96,9 +96,11 @@ def show(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
 ) -> None:
     """Show a topology's tiers, placement and modeled collective times."""
-    from cpdpkit.topology import resolve_topology
+    from cpdpkit.topology import Topology, resolve_topology
 
     topo = resolve_topology(spec, world_size=world_size, ranks_per_node=ranks_per_node)
+    fixed = None if isinstance(topo, Topology) else topo.fixed_world_size
+    topo = topo if fixed is None else topo.place(fixed)  # every count given: placed without --world-size
     if as_json:
         out_console.print_json(json.dumps(topo.to_dict()))
         return
@@ -106,5 +108,5 @@ def show(
         out_console.print(topo.description, soft_wrap=True, markup=False)
     for table in render_topology(topo):
         out_console.print(table)
-    if not topo.is_placed:
+    if not isinstance(topo, Topology):
         out_console.print("(pass --world-size N to place it and see modeled collective times)")

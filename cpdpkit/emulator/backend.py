@@ -53,9 +53,10 @@ from cpdpkit.emulator._link import EmulatedWork, Link
 from cpdpkit.emulator._sync import GroupClock, UplinkBook
 from cpdpkit.emulator.faults import FaultInjector
 from cpdpkit.errors import DistributedSetupError
+from cpdpkit.faults import FaultPlan
 from cpdpkit.labels import emu_label, format_ranks
-from cpdpkit.network import CollectiveCost, FaultPlan, NetworkGroup, jitter_draws
-from cpdpkit.topology import Topology
+from cpdpkit.network import CollectiveCost, NetworkGroup, jitter_draws
+from cpdpkit.topology import Topology, TopologySpec
 
 __all__ = [
     "BACKEND_NAME",
@@ -81,16 +82,16 @@ class EmulatorConfig:
     faults: FaultPlan | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.topology, Topology):
-            raise TypeError(f"topology = {self.topology!r} must be a cpdpkit.topology.Topology")
-        if not self.topology.is_placed:
+        if isinstance(self.topology, TopologySpec):
             raise DistributedSetupError(
                 f"topology {self.topology.name!r} is not placed; call topology.place(world_size) first"
             )
+        if not isinstance(self.topology, Topology):
+            raise TypeError(f"topology = {self.topology!r} must be a cpdpkit.topology.Topology")
         if not isinstance(self.jitter_seed, int):
             raise TypeError(f"jitter_seed = {self.jitter_seed!r} must be an int")
         if self.faults is not None and not isinstance(self.faults, FaultPlan):
-            raise TypeError(f"faults = {self.faults!r} must be a cpdpkit.network.FaultPlan or None")
+            raise TypeError(f"faults = {self.faults!r} must be a cpdpkit.faults.FaultPlan or None")
 
     @property
     def fault_plan(self) -> FaultPlan | None:

@@ -1,7 +1,7 @@
 """Injected faults on emulated groups, and the one-line errors a group ends with.
 
-A :class:`~cpdpkit.network.FaultPlan` (a topology TOML's ``[faults]`` table, or
-``CPDPKIT_FAULTS``; parsed in :mod:`cpdpkit.network` and :mod:`cpdpkit._env`) becomes one
+A :class:`~cpdpkit.faults.FaultPlan` (a topology TOML's ``[faults]`` table, or
+``CPDPKIT_FAULTS``; parsed in :mod:`cpdpkit.faults`, read by :mod:`cpdpkit._env`) becomes one
 :class:`FaultInjector` per emulator session. The backend asks it at three points of every
 collective: before issuing it (:meth:`FaultInjector.before_issue`: a dead peer ends here, a slow
 rank sleeps here, so it arrives late), when pricing it (:meth:`FaultInjector.modeled_s`: latency
@@ -27,7 +27,9 @@ import time
 from collections.abc import Callable
 
 from cpdpkit.errors import DistributedSetupError
-from cpdpkit.network import FaultPlan, NetworkGroup
+from cpdpkit.faults import FaultPlan
+from cpdpkit.network import NetworkGroup
+from cpdpkit.topology import Topology
 
 __all__ = ["FaultInjector", "LinkDownError", "PeerLostError"]
 
@@ -48,18 +50,18 @@ class LinkDownError(DistributedSetupError):
 class FaultInjector:
     """The faults of one emulator session as seen by one rank (see the module docstring)."""
 
-    def __init__(self, plan: FaultPlan, *, rank: int, topology: object) -> None:
-        world = topology.world_size  # type: ignore[attr-defined]
+    def __init__(self, plan: FaultPlan, *, rank: int, topology: Topology) -> None:
+        world = topology.world_size
         for kind, spec in (("slow_rank", plan.slow_rank), ("dead_peer", plan.dead_peer)):
             if spec is not None and not 0 <= spec[0] < world:
                 raise DistributedSetupError(
                     f"faults.{kind}.rank = {spec[0]} is outside the world (size {world}); use 0..{world - 1}")
         if plan.link_down is not None:
             tier, pair = plan.link_down[0], plan.link_down[1]
-            if tier is not None and tier not in topology.tier_names:  # type: ignore[attr-defined]
+            if tier is not None and tier not in topology.tier_names:
                 raise DistributedSetupError(
                     f"faults.link_down.tier = {tier!r} is not a tier of topology "
-                    f"{topology.name!r}; use one of {', '.join(topology.tier_names)}")  # type: ignore[attr-defined]
+                    f"{topology.name!r}; use one of {', '.join(topology.tier_names)}")
             if pair is not None and not all(0 <= r < world for r in pair):
                 raise DistributedSetupError(f"faults.link_down.pair = {list(pair)} is outside the world "
                                             f"(size {world}); use ranks 0..{world - 1}")

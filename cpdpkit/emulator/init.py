@@ -17,8 +17,8 @@ import torch.distributed as dist
 from cpdpkit.emulator.backend import BACKEND_NAME, EmulatorConfig, register_emulated_backend
 from cpdpkit.emulator.env import FAULTS_ENV, TOPOLOGY_ENV, faults_from_env, topology_from_env
 from cpdpkit.errors import DistributedSetupError
-from cpdpkit.network import FaultPlan
-from cpdpkit.topology import Topology, resolve_topology
+from cpdpkit.faults import FaultPlan
+from cpdpkit.topology import Topology, TopologySpec, resolve_topology
 
 __all__ = ["DistributedInfo", "init_distributed"]
 
@@ -61,7 +61,7 @@ def init_distributed(
     *,
     backend: str | None = None,
     timeout: timedelta = DEFAULT_TIMEOUT,
-    topology: Topology | str | None = None,
+    topology: Topology | TopologySpec | str | None = None,
     jitter_seed: int = 0,
     init_method: str | None = None,
     rank: int | None = None,
@@ -69,6 +69,10 @@ def init_distributed(
     faults: FaultPlan | None = None,
 ) -> DistributedInfo:
     """Start the default process group; emulate ``topology`` (or ``$CPDPKIT_TOPOLOGY``) if set.
+
+    ``topology``: a preset name or TOML path, a :class:`~cpdpkit.topology.TopologySpec`, or a
+    :class:`~cpdpkit.topology.Topology` (checked against the world size); resolved and placed here,
+    once, and passed on placed (``DistributedInfo.topology``).
 
     ``backend=None`` chooses ``emu`` when a topology is known, else nccl (CUDA) or gloo.
     ``backend="gloo"``/``"nccl"`` never emulates. ``rank``/``world_size``/``init_method`` default
@@ -79,36 +83,36 @@ def init_distributed(
     world_size = world_size if world_size is not None else _env_int("WORLD_SIZE", 1)
     rank = rank if rank is not None else _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", rank)
+    placed: Topology | None = None
     if isinstance(topology, str):
-        topology = resolve_topology(topology, world_size=world_size)
+        placed = resolve_topology(topology, world_size=world_size)
     elif topology is None and backend in (None, BACKEND_NAME):
-        topology = topology_from_env(world_size=world_size)
+        placed = topology_from_env(world_size=world_size)
     elif topology is not None:
-        topology = topology.place(world_size)
-    if backend == BACKEND_NAME and topology is None:
+        placed = topology.place(world_size)
+    if backend == BACKEND_NAME and placed is None:
         raise DistributedSetupError(
             f"backend 'emu' needs a topology; set {TOPOLOGY_ENV}=wan (or a TOML path) or pass topology="
         )
     real = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     if backend not in (None, BACKEND_NAME, "gloo", "nccl"):
         raise DistributedSetupError(f"backend = {backend!r} is not supported; use None, 'emu', 'gloo' or 'nccl'")
-    chosen = BACKEND_NAME if topology is not None and backend in (None, BACKEND_NAME) else (backend or real)
+    chosen = BACKEND_NAME if placed is not None and backend in (None, BACKEND_NAME) else (backend or real)
     device = "cpu"
     if real == "nccl" and chosen != "gloo":
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         device = f"cuda:{torch.cuda.current_device()}"
     if chosen != BACKEND_NAME:
-        topology = None
+        placed = None
         if faults is not None or faults_from_env() is not None:
             raise DistributedSetupError(
                 f"faults are injected by the emulated backend only, but backend = {chosen!r}; set "
                 f"{TOPOLOGY_ENV} (or pass topology=) to emulate, or unset {FAULTS_ENV} / faults=")
     if not dist.is_initialized():
-        if chosen == BACKEND_NAME:
+        if placed is not None:  # chosen is BACKEND_NAME
             faults = faults if faults is not None else faults_from_env()
-            register_emulated_backend(EmulatorConfig(topology=topology, jitter_seed=jitter_seed,  # type: ignore[arg-type]
-                                                     faults=faults))
+            register_emulated_backend(EmulatorConfig(topology=placed, jitter_seed=jitter_seed, faults=faults))
         dist.init_process_group(backend=chosen, init_method=init_method or "env://", rank=rank,
                                 world_size=world_size, timeout=timeout)
     return DistributedInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
-                           device=device, backend=chosen, topology=topology)
+                           device=device, backend=chosen, topology=placed)

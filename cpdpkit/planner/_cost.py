@@ -132,7 +132,7 @@ class CostModel:
 
     def __init__(self, topology: Topology) -> None:
         self.topology = topology
-        self.world_size: int = topology.world_size  # type: ignore[assignment]
+        self.world_size = topology.world_size
 
     def group(self, group: tuple[int, int, int]) -> NetworkGroup:
         """The :class:`~cpdpkit.network.NetworkGroup` of ``range(*group)`` (cached by the topology)."""

@@ -52,8 +52,7 @@ def reconcile_site_size(topo: Topology, config: PlannerConfig) -> int | None:
     k = config.reconcile_period
     if k is None:
         return None
-    sites: int = topo.num_sites  # type: ignore[assignment]
-    site: int = topo.ranks_per_node * topo.nodes_per_site  # type: ignore[operator]
+    sites, site = topo.num_sites, topo.ranks_per_node * topo.nodes_per_site
     if sites < 2:
         raise PlannerError(f"reconcile_period = {k} reconciles across sites, but topology {topo.name!r} has one site "
                            f"({topo.world_size} ranks); leave reconcile_period None or use a topology of several "
@@ -83,7 +82,8 @@ def _with_slowmo_state(rb: RankBytes, config: PlannerConfig) -> tuple[RankBytes,
 def reconciled(model: CostModel, units: list[UnitGeom], evaluation: Evaluation, config: PlannerConfig) -> Evaluation:
     """``evaluation`` of a site-sharded candidate with its replicate axis reconciled every K steps."""
     cand = evaluation.candidate
-    k: int = config.reconcile_period  # type: ignore[assignment]
+    k = config.reconcile_period
+    assert k is not None, "called for a reconciled candidate only"
     s, w = cand.shard_size, model.world_size
     assert not cand.state_sharded and cand.param_sharding == "sharded", cand  # the search never offers them
     cross_site = (0, w, s)  # shard position 0's group; every position's is the same shape

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from cpdpkit.errors import ConfigError
 
@@ -86,7 +86,7 @@ class Record:
 
     def to_dict(self) -> dict[str, Any]:
         out = {}
-        for f in fields(self):  # type: ignore[arg-type]
+        for f in fields(cast(Any, self)):  # every Record is a dataclass (a mixin cannot say so)
             value = getattr(self, f.name)
             out[f.name] = list(value) if isinstance(value, tuple) else value
         return out

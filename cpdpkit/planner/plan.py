@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cpdpkit._text_file import read_text_file
 from cpdpkit.errors import TopologyError
 from cpdpkit.planner.config import PlannerConfig, PlannerError, Record
 from cpdpkit.planner.timeline import TwoStageSchedule
@@ -424,18 +425,16 @@ class ShardingPlan:
         one line that starts with the file's path.
         """
         p = Path(path)
-        try:
-            text = p.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise PlannerError(f"{p}: cannot read the plan file ({exc.strerror or exc}); check the path") from None
-        except UnicodeDecodeError as exc:
-            raise PlannerError(f"{p}: not UTF-8 text (byte {exc.start}: {exc.reason}); pass cpdpkit plan --json's "
-                               "file") from None
+        text = read_text_file(p, what="plan file", max_bytes=_MAX_PLAN_BYTES, error=PlannerError,
+                              fix="pass cpdpkit plan --json's file")
         try:
             data = _parse_json(text)
             return cls.from_dict(data.get("plan", data) if isinstance(data, dict) else data)
         except (PlannerError, TopologyError) as exc:  # one line: a key in a message may hold a newline
             raise type(exc)(" ".join(f"{p}: {exc}".split())) from None
+
+
+_MAX_PLAN_BYTES = 256 << 20  # a plan holds per-unit and per-parameter records, never per-rank ones
 
 
 def _parse_json(text: str) -> Any:

@@ -52,7 +52,7 @@ from cpdpkit.planner.model_spec import ROOT, ModelSpec
 from cpdpkit.planner.plan import CandidateSummary, MeshPlan, ParamPlacement, ShardingPlan, StateSharding, UnitPlan
 from cpdpkit.planner.presets import load_model_spec
 from cpdpkit.planner.schedule import plan_two_stage
-from cpdpkit.topology import Topology, resolve_topology
+from cpdpkit.topology import Topology, TopologySpec, resolve_topology
 
 __all__ = ["plan_sharding", "fsdp2_default_plan", "planning_summary", "resolve_inputs"]
 
@@ -60,23 +60,24 @@ _TIME_TIE_FRAC = 0.01  # candidates within 1 % of the fastest count as equally f
 _ROOT_NAME = "<root>"
 
 
-def resolve_inputs(model: Any, topology: Topology | str, world_size: int | None = None,
+def resolve_inputs(model: Any, topology: Topology | TopologySpec | str, world_size: int | None = None,
                    ranks_per_node: int | None = None) -> tuple[ModelSpec, Topology]:
-    """(ModelSpec, placed Topology) from the flexible inputs the public functions accept."""
+    """(ModelSpec, placed Topology) from the flexible inputs the public functions accept: the planner's
+    one edge (everything below it takes the placed Topology)."""
     spec = load_model_spec(model)
     if isinstance(topology, str):
-        topo = resolve_topology(topology, world_size=world_size, ranks_per_node=ranks_per_node)
-    elif isinstance(topology, Topology):
-        if ranks_per_node is not None:
-            topo = replace(topology, ranks_per_node=ranks_per_node)
-        else:
-            topo = topology
-        topo = topo.place(world_size) if world_size is not None else topo
+        given: Topology | TopologySpec = resolve_topology(topology, world_size=world_size,
+                                                          ranks_per_node=ranks_per_node)
+    elif isinstance(topology, (Topology, TopologySpec)):
+        given = replace(topology, ranks_per_node=ranks_per_node) if ranks_per_node is not None else topology
     else:
         raise PlannerError(f"topology = {topology!r} is invalid; pass a Topology, a preset name or a .toml path")
-    if not topo.is_placed:
-        raise PlannerError(f"topology {topo.name!r} is not placed; pass world_size (--world-size)")
-    return spec, topo
+    if isinstance(given, Topology):
+        return spec, given if world_size is None else given.place(world_size)
+    world = world_size if world_size is not None else given.fixed_world_size
+    if world is None:
+        raise PlannerError(f"topology {given.name!r} is not placed; pass world_size (--world-size)")
+    return spec, given.place(world)
 
 
 # ---- units ---------------------------------------------------------------------------------
@@ -181,7 +182,7 @@ def _shard_sizes(topo: Topology) -> list[tuple[str, int]]:
     rpn, nps = topo.ranks_per_node, topo.nodes_per_site
     world = topo.world_size
     out: dict[int, str] = {}
-    for name, size in (("hsdp-node", rpn), ("hsdp-site", rpn * nps), ("fsdp", world)):  # type: ignore[operator]
+    for name, size in (("hsdp-node", rpn), ("hsdp-site", rpn * nps), ("fsdp", world)):
         out.setdefault(size, name)
     if world in out:
         out[world] = "fsdp"
@@ -203,8 +204,7 @@ def _partial_candidates(topo: Topology, config: PlannerConfig) -> list[Candidate
     Left out silently when ``param_sharding`` is ``None``; when it is ``"replicated"`` a topology
     or option that rules it out is an error naming the fix.
     """
-    world: int = topo.world_size  # type: ignore[assignment]
-    rpn: int = topo.ranks_per_node  # type: ignore[assignment]
+    world, rpn = topo.world_size, topo.ranks_per_node
     problem = None
     if world // rpn < 2:
         problem = (f"needs at least 2 nodes (gradients and optimizer state shard inside a node, then across "
@@ -231,7 +231,7 @@ def _sharded_candidates(topo: Topology, config: PlannerConfig) -> list[Candidate
     if site is not None:  # the site is the sharding domain; shard_size is checked to be it
         sizes = [(name, s) for name, s in sizes if s == site]
     elif config.shard_size is not None:
-        if world % config.shard_size:  # type: ignore[operator]
+        if world % config.shard_size:
             raise PlannerError(f"shard_size = {config.shard_size} does not divide the world size {world}; "
                                f"use a divisor such as {topo.ranks_per_node} (one node) or {world}")
         chosen = dict((s, name) for name, s in sizes).get(config.shard_size, "hsdp")
@@ -240,12 +240,12 @@ def _sharded_candidates(topo: Topology, config: PlannerConfig) -> list[Candidate
     state_sharding = config.allow_state_sharding and site is None
     for strategy, s in sizes:
         rafs: list[bool | int] = [True, False]
-        if s == world and 1 < rpn < world:  # type: ignore[operator]
-            rafs.append(rpn)  # type: ignore[arg-type]
+        if s == world and 1 < rpn < world:
+            rafs.append(rpn)
         if config.reshard_after_forward is not None:
             rafs = [_checked_raf(config.reshard_after_forward, s, topo)]
         for raf in rafs:
-            for sharded in ((False, True) if state_sharding and s < world else (False,)):  # type: ignore[operator]
+            for sharded in ((False, True) if state_sharding and s < world else (False,)):
                 label = strategy + ("-hpz" if _is_int(raf) else "")
                 out.append(Candidate(strategy=label, shard_size=s, reshard_after_forward=raf, state_sharded=sharded))
     return out
@@ -255,7 +255,7 @@ def _checked_raf(raf: bool | int, shard_size: int, topo: Topology) -> bool | int
     """An int reshard_after_forward must be a block of consecutive ranks inside one node."""
     if isinstance(raf, bool):
         return raf
-    rpn: int = topo.ranks_per_node  # type: ignore[assignment]
+    rpn = topo.ranks_per_node
     if shard_size % raf or rpn % raf or raf >= shard_size:
         raise PlannerError(
             f"reshard_after_forward = {raf} must divide the node size {rpn} and the shard size {shard_size} "
@@ -272,7 +272,7 @@ def _auto_min_unit_bytes(topo: Topology, shard_size: int) -> int:
 
 
 def _mesh(topo: Topology, shard_size: int) -> MeshPlan:
-    world: int = topo.world_size  # type: ignore[assignment]
+    world = topo.world_size
     replicas = world // shard_size
     model = CostModel(topo)
     shape, names = ((shard_size,), ("shard",)) if replicas == 1 else ((replicas, shard_size), ("replicate", "shard"))
@@ -351,7 +351,7 @@ def _to_plan(spec: ModelSpec, topo: Topology, config: PlannerConfig, evaluation:
              reason: str = "") -> ShardingPlan:
     cand = evaluation.candidate
     units, _, placements = built
-    world: int = topo.world_size  # type: ignore[assignment]
+    world = topo.world_size
     replicas = world // cand.shard_size
     partial = cand.param_sharding == "replicated"
     if partial:
@@ -378,12 +378,12 @@ def _budget_error(spec: ModelSpec, topo: Topology, config: PlannerConfig, result
     rb = leanest.rank_bytes
     states = spec.numel * config.state_bytes_per_param
     partial = leanest.candidate.param_sharding == "replicated"
-    msg = (f"memory budget {format_bytes(budget)} per rank is too small for {spec.name} on {topo.world_size} "  # type: ignore[arg-type]
+    msg = (f"memory budget {format_bytes(budget)} per rank is too small for {spec.name} on {topo.world_size} "
            f"ranks: the leanest plan ({leanest.candidate.label}) needs {format_bytes(rb.peak_bytes)} per rank "
            f"(model states {format_bytes(rb.peak_bytes - rb.buffer_bytes)} + {'' if partial else 'FSDP2 '}buffers "
            f"{format_bytes(rb.buffer_bytes)}); ")
     if partial:  # only when param_sharding = "replicated": its replicated parameters do not shrink with ranks
-        room = budget - rb.buffer_bytes - rb.padded_param_bytes  # type: ignore[operator]
+        room = budget - rb.buffer_bytes - rb.padded_param_bytes
         if room <= 0:
             return PlannerError(msg + "its replicated parameters and buffers alone exceed it on any number of ranks; "
                                       f"raise --memory-budget to at least {format_bytes(rb.peak_bytes)} or use "
@@ -391,11 +391,11 @@ def _budget_error(spec: ModelSpec, topo: Topology, config: PlannerConfig, result
         states = spec.numel * (config.grad_bytes + config.optim_state_bytes_per_param)
         return PlannerError(msg + f"raise --memory-budget to at least {format_bytes(rb.peak_bytes)} or use about "
                                   f"{ceil_div(states, room)} ranks or more")
-    room = budget - rb.buffer_bytes  # type: ignore[operator]
+    room = budget - rb.buffer_bytes
     if room <= 0:
         return PlannerError(msg + f"the buffers alone exceed it on any number of ranks; raise --memory-budget "
                                   f"to more than {format_bytes(rb.buffer_bytes)}")
-    rpn: int = topo.ranks_per_node  # type: ignore[assignment]
+    rpn = topo.ranks_per_node
     need = ceil_div(ceil_div(states, room), rpn) * rpn
     return PlannerError(msg + f"raise --memory-budget to at least {format_bytes(rb.peak_bytes)} "
                               f"or use about {need} ranks or more")
@@ -526,7 +526,7 @@ def fsdp2_default_plan(model: Any, topology: Topology | str, *, world_size: int 
     and ``reconcile_period`` (FSDP2's HSDP all-reduces across its replicate axis every step)."""
     config = replace(config or PlannerConfig(), reconcile_period=None)
     spec, topo = resolve_inputs(model, topology, world_size, ranks_per_node)
-    s: int = topo.ranks_per_node  # type: ignore[assignment]
+    s = topo.ranks_per_node
     cand = Candidate(strategy="fsdp2-default", shard_size=s, reshard_after_forward=True, state_sharded=False)
     ((evaluation, built),) = _evaluate_all(spec, topo, config, [cand], balanced=False, merge=False)
     return _to_plan(spec, topo, config, evaluation, built, notes=[
