@@ -68,6 +68,7 @@ from pathlib import Path
 from typing import Any, overload
 
 from cpdpkit._text_file import read_text_file
+from cpdpkit._values import is_int
 from cpdpkit.errors import TopologyError
 from cpdpkit.faults import FaultPlan
 from cpdpkit.labels import format_ranks
@@ -97,7 +98,7 @@ _MAX_TOML_BYTES = 1 << 20  # a topology is a few tiers: 1 MiB is thousands of th
 def _check_count(path: str, value: Any, *, allow_none: bool) -> None:
     if value is None and allow_none:
         return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if not is_int(value) or value < 1:
         hint = ' (or "auto" in a TOML [placement])' if allow_none else ""
         raise TopologyError(f"{path} = {_short_repr(value)} is invalid; set it to a whole number >= 1{hint}")
     if value > _MAX_COUNT:
@@ -323,7 +324,7 @@ class Topology(_Links):
     def _check_ranks(self, ranks: Iterable[int]) -> None:
         world = self.world_size
         for rank in ranks:
-            if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world:
+            if not is_int(rank) or not 0 <= rank < world:
                 raise TopologyError(
                     f"rank {rank!r} is outside topology {self.name!r} (world size {world}); use 0..{world - 1}"
                 )

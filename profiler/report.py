@@ -198,7 +198,7 @@ def _spread(values: list[float]) -> dict[str, float]:
 def _overlap_spread(ranks: tuple[RankReport, ...]) -> dict[str, float | None]:
     """Min/median/max overlap % over the ranks that communicate; ``None`` each when none does."""
     values = [r.overlap_pct for r in ranks if r.overlap_pct is not None]
-    return _spread(values) if values else {"min": None, "median": None, "max": None}  # type: ignore[arg-type]
+    return _spread(values) if values else {"min": None, "median": None, "max": None}
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Dependencies point one way (docs/contracts.md and README.md show the picture)::
 
-    layer 0  errors, labels, contracts (the sync <-> shard Protocols), the cpdpkit package itself
+    layer 0  errors, labels, contracts (the sync <-> shard Protocols), _values, the cpdpkit package
     layer 1  network            the one α-β network model; faults (FaultPlan); _text_file (the file reader)
     layer 2  topology           tiers, placement, Topology.group(ranks)
     layer 3  emulator (+ _env), planner, sync, tracing; profiler (installed as cpdpkit.profiler)
@@ -20,7 +20,8 @@ Rules, checked over every ``.py`` file under ``cpdpkit/`` and ``profiler/``:
   ``cpdpkit.network``, ``cpdpkit.topology`` and itself, and never torch, not even in a function.
 * **torch-free**: these modules do not import torch at module level (``cpdpkit --help``,
   ``cpdpkit plan``, ``profile`` and ``topology`` must start without it): ``cpdpkit/__init__``,
-  ``errors``, ``labels``, ``contracts``, ``network``, ``topology``, ``_env``, ``planner/*`` (pure
+  ``errors``, ``labels``, ``contracts``, ``_values``, ``network``, ``faults``, ``_text_file``,
+  ``topology``, ``_env``, ``planner/*`` (pure
   planning: the appliers and executors that need torch are ``shard/*``), ``launch``, ``cli/*`` and
   ``profiler/*``. Imports under ``if TYPE_CHECKING:`` and inside functions do not count.
 * **torch-free, transitive**: the same modules do not *reach* torch through the module-level
@@ -59,6 +60,8 @@ COMPONENTS: dict[str, tuple[int, tuple[str, ...]]] = {
     "labels": (0, ("cpdpkit.labels",)),
     # the sync <-> shard contract (typing.Protocols): below both, which do not import each other
     "contracts": (0, ("cpdpkit.contracts",)),
+    # predicates on user-given values (is_int), shared by every config's validation
+    "values": (0, ("cpdpkit._values",)),
     "network": (1, ("cpdpkit.network",)),
     # injected faults as data (the topology's [faults] table; the emulator applies them)
     "faults": (1, ("cpdpkit.faults",)),
@@ -89,9 +92,9 @@ ALLOWED_PEERS = {("bench", "launch"): "bench runs every job through cpdpkit.laun
 PROFILER_MAY_IMPORT = ("cpdpkit", "errors", "labels", "network", "topology", "profiler")
 
 TORCH_FREE = (
-    "cpdpkit", "cpdpkit.errors", "cpdpkit.labels", "cpdpkit.contracts", "cpdpkit.network", "cpdpkit.faults",
-    "cpdpkit._text_file", "cpdpkit.topology",
-    "cpdpkit._env", "cpdpkit.planner.*", "cpdpkit.launch", "cpdpkit.cli.*", "cpdpkit.profiler.*",
+    "cpdpkit", "cpdpkit.errors", "cpdpkit.labels", "cpdpkit.contracts", "cpdpkit._values", "cpdpkit.network",
+    "cpdpkit.faults", "cpdpkit._text_file", "cpdpkit.topology", "cpdpkit._env", "cpdpkit.planner.*",
+    "cpdpkit.launch", "cpdpkit.cli.*", "cpdpkit.profiler.*",
 )
 TORCH_PACKAGES = ("torch", "torchvision", "torchaudio", "functorch")
 

@@ -25,12 +25,13 @@ import torch
 import torch.distributed as dist
 
 from cpdpkit.bench._rank_io import RESULT_FILE, SPEC_FILE, finish_rank
+from cpdpkit.network import LOCAL_TIER
 from cpdpkit.topology import Topology
 
 __all__ = ["Run", "run_jobs", "run_rank", "optimizer_for", "optimizer_factory", "optimizer_step", "fully_shard_blocks",
            "ddp_over_blocks", "max_over_ranks", "mean_over_ranks", "mean_list_over_ranks", "local_bytes"]
 
-TIER_NAMES = ("NVLINK", "IB", "WAN", "LAN", "LOCAL")
+TIER_NAMES = ("NVLINK", "IB", "WAN", "LAN", LOCAL_TIER)
 
 
 # ---- the parent: one launched job per strategy --------------------------------------------------
@@ -219,7 +220,7 @@ def _train(spec: dict[str, Any], run: Run, batches: list[tuple[torch.Tensor, tor
     blocked = (m.blocked_s if m is not None else 0.0) + extra
     blocked_tiers = dict(m.blocked_s_by_tier) if m is not None else {}
     if extra:
-        world_tier = getattr(dist.group.WORLD, "tier_name", None) or "LOCAL"
+        world_tier = getattr(dist.group.WORLD, "tier_name", None) or LOCAL_TIER
         blocked_tiers[world_tier] = blocked_tiers.get(world_tier, 0.0) + extra
     tiers = {t: b / spec["steps"] for t, b in m.bytes_by_tier.items()} if m is not None else {}
     durations = [b - a for a, b in zip([start, *ends[:-1]], ends)]

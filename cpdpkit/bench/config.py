@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from cpdpkit._values import is_int
 from cpdpkit.bench.augment import IMAGE_DATASETS
 from cpdpkit.bench.data import DATASETS, find_cifar100
 from cpdpkit.bench.faults import CHECKPOINT_EVERY, parse_fault
@@ -73,10 +74,6 @@ class RunSpec:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunSpec:
         return cls(**data)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _positive(name: str, value: Any, fix: str) -> None:
@@ -160,7 +157,7 @@ class BenchConfig:
         self._check_overlap_and_auto()
         self._check_topologies()
         if self.inject_fault is not None:
-            parse_fault(self.inject_fault, world_size=self.world_size if _is_int(self.world_size) else None)
+            parse_fault(self.inject_fault, world_size=self.world_size if is_int(self.world_size) else None)
 
     @property
     def topology_names(self) -> tuple[str, ...]:
@@ -168,7 +165,7 @@ class BenchConfig:
         return self.topologies if self.topologies is not None else (self.topology,)
 
     def _check_overlap_and_auto(self) -> None:
-        if not _is_int(self.overlap_steps) or self.overlap_steps < 1:
+        if not is_int(self.overlap_steps) or self.overlap_steps < 1:
             raise ConfigError(f"--overlap-steps must be an integer >= 1, got {self.overlap_steps!r}: the steps an "
                               "overlapped average may run behind, e.g. --overlap-steps 2")
         overlapped = [s for s in self.strategies if s.endswith("-overlap")]
@@ -180,7 +177,7 @@ class BenchConfig:
             raise ConfigError(f"--target-exposed-frac must be in (0, 1), got {frac!r}: the share of step time "
                               "cpdp-auto may leave exposed to sync, e.g. --target-exposed-frac 0.1")
         for flag, value in (("--k-min", self.k_min), ("--k-max", self.k_max)):
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ConfigError(f"{flag} must be an integer >= 1, got {value!r}: e.g. --k-min 1 --k-max 8")
         if self.k_min > self.k_max:
             raise ConfigError(f"--k-min {self.k_min} is above --k-max {self.k_max}: give k-min <= k-max, "

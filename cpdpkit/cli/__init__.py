@@ -11,9 +11,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["app", "main", "EXIT_USER_ERROR"]
+from cpdpkit.cli._exit import EXIT_USER_ERROR
 
-EXIT_USER_ERROR = 2  # bad input (one line on stderr), for every command and both profile entries
+__all__ = ["app", "main", "EXIT_USER_ERROR"]
 
 
 def __getattr__(name: str) -> Any:

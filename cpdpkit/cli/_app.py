@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
 
-from cpdpkit.cli import EXIT_USER_ERROR
+from cpdpkit.cli._exit import EXIT_USER_ERROR
 from cpdpkit.errors import ConfigError, CpdpkitError
 
 __all__ = ["app", "err_console", "out_console", "EXIT_USER_ERROR", "prepare_output"]

@@ -13,8 +13,10 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from cpdpkit.cli._profile_report import EXIT_USER_ERROR, ProfileArgs, error_line, run_profile
+from cpdpkit.cli._exit import EXIT_USER_ERROR
+from cpdpkit.cli._profile_report import ProfileArgs, error_line, run_profile
 from cpdpkit.errors import CpdpkitError
 
 __all__ = ["VALUE_OPTIONS", "FLAG_OPTIONS", "parse_profile_args", "try_profile"]
@@ -33,7 +35,7 @@ def parse_profile_args(argv: Sequence[str]) -> tuple[bool, ProfileArgs] | None:
         debug, i = True, i + 1
     if i >= len(argv) or argv[i] != "profile":
         return None
-    values: dict[str, object] = {}
+    values: dict[str, Any] = {}
     dirs: list[Path] = []
     rest, options = list(argv[i + 1:]), True
     while rest:
@@ -53,7 +55,7 @@ def parse_profile_args(argv: Sequence[str]) -> tuple[bool, ProfileArgs] | None:
             values[field] = Path(text) if field in _PATHS else text
     if not dirs:
         return None
-    return debug, ProfileArgs(run_dirs=tuple(dirs), **values)  # type: ignore[arg-type]
+    return debug, ProfileArgs(run_dirs=tuple(dirs), **values)
 
 
 def try_profile(argv: Sequence[str]) -> int | None:

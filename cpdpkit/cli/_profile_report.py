@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from cpdpkit.cli import EXIT_USER_ERROR
-from cpdpkit.cli._table import TextTable
+from cpdpkit.cli._exit import EXIT_OK, EXIT_REGRESSION, EXIT_USER_ERROR
+from cpdpkit.cli._table import Justify, TextTable
 from cpdpkit.errors import ConfigError
 
 if TYPE_CHECKING:  # cpdpkit.profiler loads when the command runs, not for every `cpdpkit --help`
@@ -37,8 +37,6 @@ __all__ = ["ProfileArgs", "run_profile", "render_summary_table", "render_step_ta
            "resolve_baseline", "parse_max_regression", "regression_line", "no_regression_line", "what_if_lines",
            "error_line", "EXIT_OK", "EXIT_REGRESSION", "EXIT_USER_ERROR"]
 
-EXIT_OK = 0
-EXIT_REGRESSION = 1
 NO_COMMUNICATION = "no communication"
 
 
@@ -215,10 +213,11 @@ def render_step_table(report: OverlapReport, baseline: Sequence[RunReport] = ())
     """One row per run and ``ProfilerStep#N``: means over ranks, and the worst rank's exposed."""
     names = _names(report, baseline)
     table = TextTable(title="Per step (ms, mean over ranks)")
-    for head, justify in (("run", "left"), ("step", "right"), ("duration", "right"), ("compute", "right"),
-                          ("comm", "right"), ("exposed", "right"), ("hidden", "right"),
-                          ("overlap %", "right"), ("max exposed (rank)", "right")):
-        table.add_column(head, justify)  # type: ignore[arg-type]
+    columns: tuple[tuple[str, Justify], ...] = (
+        ("run", "left"), ("step", "right"), ("duration", "right"), ("compute", "right"), ("comm", "right"),
+        ("exposed", "right"), ("hidden", "right"), ("overlap %", "right"), ("max exposed (rank)", "right"))
+    for head, justify in columns:
+        table.add_column(head, justify)
     silent = False
     for run in report.runs:
         by_step: dict[int, list[tuple[int, StepReport]]] = {}

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from cpdpkit.network import LOCAL_TIER
+
 __all__ = ["Counts", "GroupCounters"]
 
 
@@ -55,7 +57,7 @@ class GroupCounters:
     """The thread-safe counters of one emulated group (the issuing threads, the link's helper
     thread and any thread that waits on one of its Works update them)."""
 
-    def __init__(self, tier: str = "LOCAL") -> None:
+    def __init__(self, tier: str = LOCAL_TIER) -> None:
         self.tier = tier  # the group's slowest tier (LOCAL for one rank), for per-tier readings
         self._lock = threading.Lock()
         self._ops: Counter[str] = Counter()

@@ -55,7 +55,7 @@ from cpdpkit.emulator.faults import FaultInjector
 from cpdpkit.errors import DistributedSetupError
 from cpdpkit.faults import FaultPlan
 from cpdpkit.labels import emu_label, format_ranks
-from cpdpkit.network import CollectiveCost, NetworkGroup, jitter_draws
+from cpdpkit.network import LOCAL_TIER, CollectiveCost, NetworkGroup, jitter_draws
 from cpdpkit.topology import Topology, TopologySpec
 
 __all__ = [
@@ -198,7 +198,7 @@ class EmulatedProcessGroup(ProcessGroup):
         self._network = session.config.topology.group(self._global_ranks)
         self.tier_name = self._network.tier_name
         self._ranks_label = format_ranks(self._global_ranks)
-        self._counters = GroupCounters(self.tier_name or "LOCAL")
+        self._counters = GroupCounters(self.tier_name or LOCAL_TIER)
         self._link = Link(group_id, self._counters)
         self._p2p_links: dict[int, tuple[Link, NetworkGroup]] = {}  # peer (group rank) -> (link, pair's group)
         self._p2p_seq: dict[tuple[int, int], int] = {}  # (src, dst) global ranks -> messages so far
@@ -506,6 +506,7 @@ class EmulatedProcessGroup(ProcessGroup):
             link.close()
         if self._clock is not None:
             self._clock.shutdown()
+            self._clock = None
         self._inner.shutdown()
 
     def abort(self) -> None:

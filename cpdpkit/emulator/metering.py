@@ -36,7 +36,7 @@ class Meter:
 
     def __init__(self, session: EmulatorSession) -> None:
         self._session = session
-        self._thread_ident: int | None = None
+        self._thread_ident = -1  # the thread that enters the block (no thread's ident before)
         self._before: dict[int, tuple[GroupCounters, Counts]] | None = None
         self._result: Counts | None = None
         self._groups_result: list[tuple[str, Counts]] = []
@@ -94,14 +94,14 @@ class Meter:
     @property
     def blocked_s(self) -> float:
         """Seconds the thread that entered the block spent blocked in ``EmulatedWork.wait``."""
-        return self._difference().blocked_s.get(self._thread_ident, 0.0)  # type: ignore[arg-type]
+        return self._difference().blocked_s.get(self._thread_ident, 0.0)
 
     @property
     def blocked_s_by_tier(self) -> dict[str, float]:
         """:attr:`blocked_s`, split by the tier of the group whose Work was waited on."""
         out: dict[str, float] = {}
         for tier, counts in self._by_group():
-            seconds = counts.blocked_s.get(self._thread_ident, 0.0)  # type: ignore[arg-type]
+            seconds = counts.blocked_s.get(self._thread_ident, 0.0)
             if seconds:
                 out[tier] = out.get(tier, 0.0) + seconds
         return out

@@ -46,6 +46,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from cpdpkit._values import is_int
 from cpdpkit.network import NetworkGroup
 from cpdpkit.planner.config import PlannerConfig, ceil_div
 from cpdpkit.planner.plan import CommPhase, RankBytes, Reconciliation
@@ -168,7 +169,7 @@ def comm_phases(model: CostModel, units: list[UnitGeom], cand: Candidate,
         comm_phase(model, "backward all-gather", "all_gather", "shard", shard,
                    [u.padded_numel * pb for u in units if u.reshard_after_forward is True]),
     ]
-    for k in sorted({u.reshard_after_forward for u in units if _is_int(u.reshard_after_forward)}):
+    for k in sorted({u.reshard_after_forward for u in units if is_int(u.reshard_after_forward)}):
         phases.append(comm_phase(model, f"backward all-gather (resharded on {k})", "all_gather", "shard", (0, k, 1),
                                  [u.padded_numel * pb for u in units if u.reshard_after_forward == k]))
     phases.append(comm_phase(model, "gradient reduce-scatter", "reduce_scatter", "shard", shard,
@@ -183,10 +184,6 @@ def comm_phases(model: CostModel, units: list[UnitGeom], cand: Candidate,
         phases.append(comm_phase(model, "gradient all-reduce", "all_reduce", "replicate", replicate,
                                  [n * gb for n in shard_chunks]))
     return tuple(p for p in phases if p is not None)
-
-
-def _is_int(v: bool | int) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _even_split(total: np.ndarray, parts: int) -> np.ndarray:
@@ -229,7 +226,7 @@ def _buffer_bytes(units: list[UnitGeom], pb: int, gb: int) -> int:
     for u in blocks:
         if u.reshard_after_forward is False:
             kept += u.padded_numel
-        elif _is_int(u.reshard_after_forward):
+        elif is_int(u.reshard_after_forward):
             kept += ceil_div(u.padded_numel, int(u.reshard_after_forward))
     # current + prefetched unit (params), the current unit's unsharded grads and the
     # reduce-scatter input, the root (kept through forward and backward), kept units

@@ -45,7 +45,8 @@ from typing import Any
 
 import numpy as np
 
-from cpdpkit.planner._cost import Candidate, CostModel, Evaluation, UnitGeom, _is_int, evaluate, shard_layout
+from cpdpkit._values import is_int
+from cpdpkit.planner._cost import Candidate, CostModel, Evaluation, UnitGeom, evaluate, shard_layout
 from cpdpkit.planner._reconcile_cost import reconcile_site_size, reconciled
 from cpdpkit.planner.config import PlannerConfig, PlannerError, ceil_div, format_bytes
 from cpdpkit.planner.model_spec import ROOT, ModelSpec
@@ -144,7 +145,7 @@ def _build_units(spec: ModelSpec, groups: list[list[int]], shard_size: int, *, b
         unit_raf = False if is_root else raf
         # FSDP2 (2.13) keeps an int-resharded parameter flat after forward and then fails to
         # chunk-cat it on dim > 0 in backward: such units keep Shard(0).
-        unit_balanced = balanced and not _is_int(unit_raf)
+        unit_balanced = balanced and not is_int(unit_raf)
         for i in idx:
             p = spec.params[i]
             layout = shard_layout(p.shape, shard_size, balanced=unit_balanced)
@@ -246,7 +247,7 @@ def _sharded_candidates(topo: Topology, config: PlannerConfig) -> list[Candidate
             rafs = [_checked_raf(config.reshard_after_forward, s, topo)]
         for raf in rafs:
             for sharded in ((False, True) if state_sharding and s < world else (False,)):
-                label = strategy + ("-hpz" if _is_int(raf) else "")
+                label = strategy + ("-hpz" if is_int(raf) else "")
                 out.append(Candidate(strategy=label, shard_size=s, reshard_after_forward=raf, state_sharded=sharded))
     return out
 
@@ -374,6 +375,7 @@ def _to_plan(spec: ModelSpec, topo: Topology, config: PlannerConfig, evaluation:
 
 def _budget_error(spec: ModelSpec, topo: Topology, config: PlannerConfig, results: list) -> PlannerError:
     budget = config.memory_budget_bytes
+    assert budget is not None, "called only when a budget ruled every candidate out"
     leanest = min((ev for ev, _ in results), key=lambda ev: ev.rank_bytes.peak_bytes)
     rb = leanest.rank_bytes
     states = spec.numel * config.state_bytes_per_param

@@ -82,16 +82,16 @@ def check_sharded_model(model: nn.Module, params: Sequence[torch.Tensor], group:
     if not isinstance(model, FSDPModule):
         raise ConfigError(f"model ({type(model).__name__}) holds DTensor parameters but is not an FSDP2 module: "
                           "pass the root module you called fully_shard on")
-    meshes = {tuple(group_ranks(p.device_mesh.get_group(0))) if p.device_mesh.ndim == 1 else None for p in params}
     for p in params:
         if p.device_mesh.ndim != 1 or not all(isinstance(pl, Shard) for pl in p.placements):
             names = p.device_mesh.mesh_dim_names
             raise ConfigError(f"model is sharded with placements {tuple(p.placements)} over mesh dims {names}: FSDP2's "
                               "HSDP all-reduces gradients across its replicate dim on every step, which the periodic "
                               f"sync replaces; {_FIX}")
+    meshes = {tuple(group_ranks(p.device_mesh.get_group(0))) for p in params}  # each 1-D (checked above)
     if len(meshes) != 1:
         raise ConfigError(f"model's parameters are sharded over {len(meshes)} different groups: {_FIX}")
-    shard_ranks = list(next(iter(meshes)))  # type: ignore[arg-type]
+    shard_ranks = list(next(iter(meshes)))
     check_replica_layout(shard_ranks, group, topology, what="model is sharded", fix=_FIX)
     return shard_ranks
 

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cpdpkit._values import is_int
 from cpdpkit.errors import ConfigError
 
 __all__ = [
@@ -51,10 +52,6 @@ def _choice(field: str, value: Any, choices: tuple[str, ...]) -> None:
         raise ConfigError(
             f"unknown {field} {value!r}: choose one of {', '.join(choices)}"
         )
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,13 +101,13 @@ class SyncConfig:
         _choice("strategy", self.strategy, STRATEGIES)
         _choice("buffers", self.buffers, BUFFER_POLICIES)
         _choice("optimizer_state", self.optimizer_state, STATE_POLICIES)
-        if self.period != "auto" and (not _is_int(self.period) or self.period < 1):
+        if self.period != "auto" and (not is_int(self.period) or self.period < 1):
             raise ConfigError(
                 f"period must be an integer >= 1 or 'auto', got {self.period!r}: "
                 "pass period=1 to reconcile every step, a larger K, or 'auto'"
             )
         self._check_overlap_and_auto()
-        if not _is_int(self.warmup_steps) or self.warmup_steps < 0:
+        if not is_int(self.warmup_steps) or self.warmup_steps < 0:
             raise ConfigError(
                 f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}: "
                 "pass 0 for no warm-up"
@@ -140,7 +137,7 @@ class SyncConfig:
             )
 
     def _check_overlap_and_auto(self) -> None:
-        if not _is_int(self.overlap_steps) or self.overlap_steps < 0:
+        if not is_int(self.overlap_steps) or self.overlap_steps < 0:
             raise ConfigError(
                 f"overlap_steps must be an integer >= 0, got {self.overlap_steps!r}: pass 0 to "
                 "reconcile blocking, or e.g. 2 to apply each average two steps after its launch"
@@ -164,7 +161,7 @@ class SyncConfig:
             )
         for name in ("k_min", "k_max"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}: e.g. {name}=1")
         if self.k_min > self.k_max:
             raise ConfigError(

@@ -322,7 +322,7 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
             self._arm_next_step()
 
     # -- the step ----------------------------------------------------------------------------
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -462,7 +462,7 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
             period_decisions=tuple(self._reconciler.decisions),
         )
 
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's standard state dict plus key ``"cpdpkit"``.
 
         ``{"state": ..., "param_groups": ..., "cpdpkit": {"version", "config", "step",
@@ -499,7 +499,7 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
                 state_dict = result
         return state_dict
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`. Load the model's own state (per rank) as well.
 
         Load-state-dict pre-hooks get a shallow copy and may return a replacement; post-hooks
