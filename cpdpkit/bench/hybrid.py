@@ -258,16 +258,17 @@ def _goals(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_hybrid_bench(config: HybridBenchConfig, work_dir: Path,
-                     emit: Callable[[tuple[Any, ...]], None] = lambda e: None) -> HybridReport:
+                     emit: Callable[[tuple[Any, ...]], None] = lambda e: None, *,
+                     prepared: Prepared | None = None) -> HybridReport:
     """Run every strategy of ``config`` as its own launched job; collect their results and judge the goals.
 
-    Validates first (:func:`prepare`): a bad configuration raises before any launch and before
-    ``work_dir`` is created.
+    Validates first (:func:`prepare`, unless ``prepared`` is its result for ``config``): a bad configuration
+    raises before any launch and before ``work_dir`` is created.
     """
     from cpdpkit.bench import hybrid_worker as worker
     from cpdpkit.bench._jobs import run_jobs
 
-    prep = prepare(config)
+    prep = prepared if prepared is not None else prepare(config)
 
     def spec_for(strategy: str) -> dict[str, Any]:
         return {**config.to_dict(), "strategy": strategy, "suite": "hybrid", "num_sites": prep.num_sites,

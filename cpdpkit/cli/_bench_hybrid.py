@@ -37,12 +37,12 @@ def run_hybrid_suite(config: HybridBenchConfig, *, json_out: str | None, plot: s
     """Run the suite (validating first: a bad config raises before any launch); print and write."""
     from cpdpkit.bench.hybrid import prepare, run_hybrid_bench
 
-    prepare(config)  # a bad topology fails before the output paths are touched
+    prepared = prepare(config)  # once: a bad topology fails before the output paths are touched
     prepare_output(json_out, "--json")  # a bad path fails now, not after every run
     prepare_output(plot, "--plot")
 
-    report = run_and_print(lambda work, emit: run_hybrid_bench(config, work, emit), work_dir=work_dir,
-                           prefix="cpdpkit-bench-hybrid-", table=_table, goal_lines=goal_lines)
+    report = run_and_print(lambda work, emit: run_hybrid_bench(config, work, emit, prepared=prepared),
+                           work_dir=work_dir, prefix="cpdpkit-bench-hybrid-", table=_table, goal_lines=goal_lines)
     data = report.to_dict()
     if json_out:
         Path(json_out).write_text(json.dumps(data, indent=1))
