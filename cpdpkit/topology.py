@@ -170,10 +170,10 @@ class _Links:
                     f"topology {self.name!r}: {path} = {value!r} is not a defined tier; "
                     f"use one of {', '.join(names)} or add [tiers.{value}]"
                 )
-        if getattr(self, "intra_node_tier", None) is None:
+        if self.intra_node_tier is None:  # a caller without type checks (the TOML parser names it first)
             raise _intra_node_unset(self.name)
-        for level, count, what in (("inter_node_tier", "nodes_per_site", "nodes"), ("inter_site_tier", "num_sites",
-                                                                                       "sites")):
+        levels = (("inter_node_tier", "nodes_per_site", "nodes"), ("inter_site_tier", "num_sites", "sites"))
+        for level, count, what in levels:
             if getattr(self, level) is None and getattr(self, count) != 1:
                 raise TopologyError(
                     f"topology {self.name!r}: {level} is unset but {count} = {getattr(self, count)!r}; "
