@@ -79,7 +79,7 @@ COMPONENTS: dict[str, tuple[int, tuple[str, ...]]] = {
     "shard": (4, ("cpdpkit.shard",)),
     "bench": (5, ("cpdpkit.bench",)),
     # checkpoint saves what sync's optimizer and shard's executors hold (and is used by bench)
-    "checkpoint": (5, ("cpdpkit.checkpoint",)),
+    "checkpoint": (5, ("cpdpkit.checkpoint", "cpdpkit._checkpoint_files")),
     # _child is the per-rank entry point torchrun runs for cpdpkit.launch
     "launch": (5, ("cpdpkit.launch", "cpdpkit._child")),
     "cli": (6, ("cpdpkit.cli",)),
