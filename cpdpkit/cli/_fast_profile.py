@@ -23,7 +23,8 @@ __all__ = ["VALUE_OPTIONS", "FLAG_OPTIONS", "parse_profile_args", "try_profile"]
 
 # option -> ProfileArgs field
 VALUE_OPTIONS = {"--json": "json_path", "--baseline": "baseline", "--max-regression": "max_regression",
-                 "--plot": "plot", "--what-if": "what_if"}
+                 "--plot": "plot", "--what-if": "what_if", "--max-trace-bytes": "max_trace_bytes",
+                 "--max-events": "max_events"}
 FLAG_OPTIONS = {"--per-step": "per_step"}
 _PATHS = {"json_path", "plot"}
 

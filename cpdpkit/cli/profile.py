@@ -33,6 +33,11 @@ def profile(
     what_if: str | None = typer.Option(None, "--what-if", metavar="TOPOLOGY", help="Predict each run's step on "
                                        "this topology (a preset name or a TOML file): every collective re-timed "
                                        "by the network model, measured compute and order kept."),
+    max_trace_bytes: str | None = typer.Option(None, "--max-trace-bytes", metavar="SIZE", help="The most "
+                                               "decompressed bytes one trace file may hold (default 4GiB; "
+                                               "e.g. 16GiB, 500MiB): a limit against gzip bombs."),
+    max_events: str | None = typer.Option(None, "--max-events", metavar="N", help="The most events one "
+                                          "trace file may hold (default 10000000)."),
 ) -> None:
     """Exposed vs hidden communication per run, from PyTorch profiler traces.
 
@@ -43,6 +48,7 @@ def profile(
     traces, traces of another run, missing ranks, bad options), also when there is a
     regression too. Everything that could be analysed is still shown and written.
     """
-    code = run_profile(ProfileArgs(tuple(run_dirs), json_path, per_step, baseline, max_regression, plot, what_if))
+    code = run_profile(ProfileArgs(tuple(run_dirs), json_path, per_step, baseline, max_regression, plot, what_if,
+                                   max_trace_bytes, max_events))
     if code != EXIT_OK:
         raise typer.Exit(code)
