@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from cpdpkit._outputs import check_output_file, write_output
 from cpdpkit.cli._exit import EXIT_OK, EXIT_REGRESSION, EXIT_USER_ERROR
 from cpdpkit.cli._table import Justify, TextTable
 from cpdpkit.errors import ConfigError
@@ -286,9 +287,7 @@ def write_plot(report: OverlapReport, path: Path) -> None:
     ax.legend()
     fig.tight_layout()
     try:
-        fig.savefig(path)
-    except OSError as exc:
-        raise ConfigError(f"--plot {os.fspath(path)!r}: cannot write the file ({exc.strerror or exc})") from None
+        write_output(path, fig.savefig, "--plot")
     finally:
         plt.close(fig)
 
@@ -297,10 +296,7 @@ def _write_json(data: dict[str, Any], path: Path) -> None:
     import orjson
 
     encoded = orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
-    try:
-        path.write_bytes(encoded + b"\n")
-    except OSError as exc:
-        raise ConfigError(f"--json {os.fspath(path)!r}: cannot write the file ({exc.strerror or exc})") from None
+    write_output(path, encoded + b"\n", "--json")
 
 
 def _report_dict(report: OverlapReport, per_step: bool, base_ids: set[int],
@@ -405,6 +401,11 @@ def run_profile(args: ProfileArgs) -> int:
 
     limit = parse_max_regression(args.max_regression)
     limits = parse_limits(args.max_trace_bytes, args.max_events)
+    inputs = (*args.run_dirs, args.baseline, args.what_if)
+    check_output_file(args.json_path, "--json", inputs=inputs)  # before reading any trace
+    check_output_file(args.plot, "--plot", inputs=inputs)
+    if args.json_path is not None and args.plot is not None and args.json_path.resolve() == args.plot.resolve():
+        raise ConfigError(f"--json and --plot are both {str(args.json_path)!r}: pass two different files")
     report = analyze(list(args.run_dirs), what_if=args.what_if, limits=limits)
     bases, base_report = resolve_baseline(report, args.baseline, limits)
     base_ids = {id(b) for b in bases}

@@ -24,6 +24,7 @@ import typer
 from rich.markup import escape
 from typer.core import TyperGroup
 
+from cpdpkit._outputs import check_output_dir, write_output
 from cpdpkit.cli._app import app, err_console, out_console, prepare_output
 from cpdpkit.cli._bench_hybrid import hybrid_config, run_hybrid_suite
 from cpdpkit.cli._bench_plot import plot_accuracy_vs_wall
@@ -295,16 +296,18 @@ def _run_main(config: BenchConfig, *, json_out: str | None, plot: str | None, wo
     from cpdpkit.bench.runner import resolve_bench_topologies
 
     topologies = resolve_bench_topologies(config)  # once, here: a bad topology fails before any launch
-    prepare_output(json_out, "--json")  # so does an output path that cannot be written
-    prepare_output(plot, "--plot")
+    inputs = (config.data_dir, *config.topology_names)
+    prepare_output(json_out, "--json", inputs)  # so does an output path that cannot be written
+    prepare_output(plot, "--plot", inputs)
+    check_output_dir(config.profile_dir, "--profile", inputs=inputs)
     with tempfile.TemporaryDirectory(prefix="cpdpkit-bench-") as tmp:
         report = _run_with_progress(config, Path(work_dir or tmp), topologies)
     _print_report(report)
     if json_out:
-        Path(json_out).write_text(json.dumps(report.to_dict(), indent=1))
+        write_output(json_out, json.dumps(report.to_dict(), indent=1).encode(), "--json")
         out_console.print(f"wrote {json_out}")
     if plot:
-        plot_accuracy_vs_wall(report.to_dict(), Path(plot))
+        write_output(plot, lambda tmp: plot_accuracy_vs_wall(report.to_dict(), tmp), "--plot")
         out_console.print(f"wrote {plot}")
 
 
