@@ -49,7 +49,7 @@ def run_workloads(rank: int, world: int, workloads: list[dict], hierarchical: bo
                     p.add_(1.0)
         opt = PeriodicSyncOptimizer(
             make_optimizer(w.optimizer, model), model=model, strategy=w.strategy,
-            period=w.period, warmup_steps=w.warmup_steps, slowmo_momentum=w.beta,
+            period=None if w.strategy == "ddp" else w.period, warmup_steps=w.warmup_steps, slowmo_momentum=w.beta,
             slowmo_lr=w.alpha, buffers=w.buffers, optimizer_state=w.optimizer_state,
             overlap_steps=w.overlap_steps, fast_group=groups[0], slow_group=groups[1], timeout_s=60,
         )

@@ -42,7 +42,8 @@ def _model(seed: int) -> nn.Module:
 
 def _setup(options: dict[str, Any], seed: int = 0) -> tuple[nn.Module, PeriodicSyncOptimizer, Any]:
     model = _model(seed)
-    opt = PeriodicSyncOptimizer(torch.optim.AdamW(model.parameters(), lr=0.02), model=model, period=4, **options)
+    period = {} if options.get("strategy") == "ddp" else {"period": 4}  # ddp has no period
+    opt = PeriodicSyncOptimizer(torch.optim.AdamW(model.parameters(), lr=0.02), model=model, **period, **options)
     return model, opt, torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=TOTAL_STEPS)
 
 

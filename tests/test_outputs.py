@@ -58,7 +58,7 @@ def test_an_output_in_a_run_folder_would_be_read_as_a_trace(tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize(("command", "option"), [(["profile", "TRACE"], "--json"), (["profile", "TRACE"], "--plot"),
-                                                 (["plan", "--model", "gpt2-small", "--world-size", "8"], "--json")])
+                                                 (["plan", "--model", "resnet50", "--world-size", "8"], "--json")])
 def test_an_unwritable_output_fails_before_any_output(tmp_path: Path, command: list[str], option: str) -> None:
     args = [str(_trace(tmp_path / "t.json")) if a == "TRACE" else a for a in command]
     proc = _cli(*args, option, "/proc/cpdpkit-test/out.json")

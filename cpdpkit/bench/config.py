@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from cpdpkit._values import is_int
+from cpdpkit._values import is_int, refuse_nonfinite
 from cpdpkit.bench.augment import IMAGE_DATASETS
 from cpdpkit.bench.data import DATASETS, find_cifar100
 from cpdpkit.bench.faults import CHECKPOINT_EVERY, parse_fault
@@ -115,6 +115,7 @@ class BenchConfig:
     inject_fault: str | None = None  # kill:rank=R:step=S: each run killed once, restarted, compared (bench.faults)
 
     def __post_init__(self) -> None:
+        refuse_nonfinite(self, ConfigError, options=True)
         for s in self.strategies:
             if s not in BENCH_STRATEGIES:
                 raise ConfigError(

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cpdpkit._values import is_int
+from cpdpkit._values import is_int, refuse_nonfinite
 from cpdpkit.errors import ConfigError
 
 __all__ = [
@@ -82,7 +82,7 @@ class SyncConfig:
     """
 
     strategy: str = "cpdp"
-    period: int = 4
+    period: int | str | None = None  # None: 1 for ddp (it has no period), else 4
     warmup_steps: int = 0
     slowmo_momentum: float = 0.5
     slowmo_lr: float = 1.0
@@ -98,7 +98,13 @@ class SyncConfig:
     check_replicas: bool = False
 
     def __post_init__(self) -> None:
+        refuse_nonfinite(self, ConfigError)
         _choice("strategy", self.strategy, STRATEGIES)
+        if self.strategy == "ddp" and self.period not in (None, 1):
+            raise ConfigError(f"period = {self.period!r} with strategy 'ddp': ddp all-reduces gradients every step "
+                              "and has no period; leave period unset (or 1), or use strategy 'cpdp' for K steps")
+        if self.period is None:
+            object.__setattr__(self, "period", 1 if self.strategy == "ddp" else 4)
         _choice("buffers", self.buffers, BUFFER_POLICIES)
         _choice("optimizer_state", self.optimizer_state, STATE_POLICIES)
         if self.period != "auto" and (not is_int(self.period) or self.period < 1):

@@ -125,6 +125,10 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         # Validation happens before any collective: a user mistake must not hang a peer.
         self.config = resolve_config(config, options)
         self._executor = model if is_executor(model) else None
+        if isinstance(optimizer, torch.optim.Optimizer) and not any(g["params"] for g in optimizer.param_groups):
+            raise ConfigError(f"the {type(optimizer).__name__} optimizer holds no parameters: there is nothing to "
+                              f"synchronise; pass one built from the model, e.g. {type(optimizer).__name__}"
+                              "(model.parameters(), ...)")
         validate_objects(optimizer, model, anchor_dtype, wrapper=PeriodicSyncOptimizer)
         validate_groups(self.config, model, group, fast_group, slow_group)
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
