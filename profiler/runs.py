@@ -142,8 +142,15 @@ def analyze_run(run_path: str, files: Sequence[str], *, name: str | None = None,
     for index, path in enumerate(files):
         try:
             trace = load_trace(path, limits=limits)
+            if trace.num_events == 0:
+                raise TraceFileError(path, "no events in 'traceEvents': the profiler recorded nothing (check its "
+                                           "schedule's active steps, and that prof.step() is called)")
             hint = rank_hint(path, trace.meta, rank_map)
             ranks.append(analyze_trace(trace, rank=hint.rank if hint.rank is not None else index))
+            if not ranks[-1].full_steps:
+                issues.append(TraceIssue(path, f"{path}: no complete ProfilerStep#N event, so no step was found: the "
+                                               "per-step figures are empty (call prof.step() once per step)",
+                                         warning=True))
             if what_if is not None:
                 from cpdpkit.profiler.whatif import rank_timeline
 

@@ -50,6 +50,7 @@ __all__ = ["RankTrace", "load_trace", "rank_from_file_name", "rank_in_meta", "wo
 
 _NUMBER = (int, float)
 _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
+_MAX_TIME_US = 1e17  # Kineto's epoch microseconds are ~1.8e15; a bigger value makes 300-digit step times
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
@@ -403,6 +404,11 @@ class _Columns:
         self.thread_labels.update(other.thread_labels)
 
     def finish(self, meta: dict[str, Any], rank: int | None) -> RankTrace:
+        if self.ts and not (-_MAX_TIME_US < min(self.ts) and max(self.ts) < _MAX_TIME_US
+                            and max(self.dur) < _MAX_TIME_US):
+            worst = max((*self.ts, *self.dur), key=abs)
+            raise TraceFileError(self.path, f"a timestamp or duration of {worst:g} µs is not a time (they must stay "
+                                            f"below {_MAX_TIME_US:g} µs, about 3,000 years): the trace is corrupt")
         origin = min(self.ts) if self.ts else 0.0
         start, end = _relative(self.ts, self.dur, origin)
         thread_names = {

@@ -45,8 +45,10 @@ class _ErrorPolicyGroup(TyperGroup):
         try:
             return super().invoke(ctx)
         except CpdpkitError as exc:
-            if isinstance(ctx.obj, dict) and ctx.obj.get("debug"):
-                raise
+            if isinstance(ctx.obj, dict) and ctx.obj.get("debug"):  # the traceback, and still exit 2
+                import traceback
+
+                traceback.print_exc()
             err_console.print(f"[bold red]error:[/bold red] {escape(str(exc))}", soft_wrap=True)
             raise typer.Exit(EXIT_USER_ERROR) from None
 

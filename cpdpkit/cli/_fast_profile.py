@@ -25,7 +25,7 @@ __all__ = ["VALUE_OPTIONS", "FLAG_OPTIONS", "parse_profile_args", "try_profile"]
 VALUE_OPTIONS = {"--json": "json_path", "--baseline": "baseline", "--max-regression": "max_regression",
                  "--plot": "plot", "--what-if": "what_if", "--max-trace-bytes": "max_trace_bytes",
                  "--max-events": "max_events"}
-FLAG_OPTIONS = {"--per-step": "per_step"}
+FLAG_OPTIONS = {"--per-step": "per_step", "--strict": "strict"}
 _PATHS = {"json_path", "plot"}
 
 
@@ -68,8 +68,10 @@ def try_profile(argv: Sequence[str]) -> int | None:
     try:
         return run_profile(args)
     except CpdpkitError as exc:
-        if debug:
-            raise
         sys.stdout.flush()
+        if debug:  # the traceback, and still exit 2
+            import traceback
+
+            traceback.print_exc()
         print(error_line("error", str(exc), sys.stderr), file=sys.stderr)
         return EXIT_USER_ERROR

@@ -375,9 +375,10 @@ class ProfileArgs:
     what_if: str | None = None
     max_trace_bytes: str | None = None
     max_events: str | None = None
+    strict: bool = False
 
 
-_STYLE = {"error": "1;31", "regression": "1;31", "note": "33"}
+_STYLE = {"error": "1;31", "regression": "1;31", "note": "33", "warning": "33"}
 
 
 def error_line(kind: str, text: str, stream: TextIO) -> str:
@@ -425,7 +426,9 @@ def run_profile(args: ProfileArgs) -> int:
     if args.plot is not None and shown.runs:
         write_plot(shown, args.plot)
     sys.stdout.flush()
-    for text in [*(issue.error for issue in shown.errors), *problems]:
+    for issue in shown.errors:
+        _say("warning" if issue.warning else "error", issue.error)
+    for text in problems:
         _say("error", text)
     if check is not None:
         for note in check.notes:
@@ -434,7 +437,7 @@ def run_profile(args: ProfileArgs) -> int:
             _say("regression", regression_line(c).removeprefix("regression: "))
         if check.passed:
             print(no_regression_line(check))
-    if shown.errors or problems or not report.runs:
+    if any(args.strict or not e.warning for e in shown.errors) or problems or not report.runs:
         return EXIT_USER_ERROR
     if check is not None and not check.passed:
         return EXIT_REGRESSION
