@@ -102,6 +102,17 @@ def skeleton_text(node: Any) -> bytes:
     return json.dumps(node, allow_nan=False, separators=(",", ":")).encode("utf-8")
 
 
+def read_skeleton(path: Path) -> Any:
+    """The decoded JSON of a skeleton file (at most ``MAX_SKELETON_BYTES``); :class:`SkeletonError` otherwise."""
+    if not path.is_file():
+        raise SkeletonError(f"{path.name} is missing")
+    with open(path, "rb") as fh:
+        data = fh.read(MAX_SKELETON_BYTES + 1)
+    if len(data) > MAX_SKELETON_BYTES:
+        raise SkeletonError(f"{path.name} is over {MAX_SKELETON_BYTES:,} bytes")
+    return skeleton_from(data)
+
+
 def skeleton_from(data: bytes) -> Any:
     try:
         return json.loads(data.decode("utf-8"), parse_constant=_no_constant)

@@ -357,7 +357,7 @@ class Checkpointer:
         skeleton_file = folder / _SKELETON.format(rank=rank)
         try:
             metadata = reader.read_metadata()
-            node = files.skeleton_from(skeleton_file.read_bytes() if skeleton_file.is_file() else b"")
+            node = files.read_skeleton(skeleton_file)
         except (files.SkeletonError, OSError) as exc:  # the manifest matched: written by a hostile hand
             raise CheckpointError(f"checkpoint {str(folder)!r} cannot be read safely ({exc}): delete that folder "
                                   "to resume from the one before it") from None
