@@ -22,12 +22,14 @@ from cpdpkit.topology import PRESETS
 
 __all__ = ["BENCH_STRATEGIES", "DEFAULT_STRATEGIES", "LR_SCHEDULES", "PERIODIC", "BenchConfig", "RunSpec"]
 
-# every strategy the bench knows; the default runs all but slowmo-overlap
+# every strategy the bench knows; the default runs all but slowmo-overlap and cpdp-step-then-average
+# (cpdp with cpdp_order="step-then-average": the synchronous step, then the average)
 BENCH_STRATEGIES = ("ddp", "localsgd-torch", "localsgd", "slowmo", "cpdp", "cpdp-overlap", "cpdp-auto",
-                    "slowmo-overlap")
-DEFAULT_STRATEGIES = BENCH_STRATEGIES[:-1]
+                    "slowmo-overlap", "cpdp-step-then-average")
+DEFAULT_STRATEGIES = BENCH_STRATEGIES[:-2]
 # run at every K of --periods; cpdp-auto picks its own K (period None)
-PERIODIC = ("localsgd-torch", "localsgd", "slowmo", "cpdp", "cpdp-overlap", "slowmo-overlap")
+PERIODIC = ("localsgd-torch", "localsgd", "slowmo", "cpdp", "cpdp-overlap", "slowmo-overlap",
+            "cpdp-step-then-average")
 LR_SCHEDULES = ("constant", "cosine", "step")  # built by cpdpkit.bench.strategies.build_lr_scheduler
 
 

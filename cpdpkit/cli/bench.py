@@ -119,8 +119,10 @@ def bench(
     suite: str = typer.Option("cpdp", "--suite", help="Deprecated: --suite sharding is `cpdpkit bench sharding`."),
     strategies: str | None = typer.Option(None, help="Comma-separated subset of ddp, localsgd-torch, localsgd, "
                                              "slowmo, cpdp, cpdp-overlap (the average applied --overlap-steps "
-                                             "later), cpdp-auto (K chosen at run time), slowmo-overlap.",
-                                          show_default="all but slowmo-overlap; --quick: ddp,localsgd-torch,cpdp"),
+                                             "later), cpdp-auto (K chosen at run time), slowmo-overlap, "
+                                             "cpdp-step-then-average (cpdp's old order: step, then average).",
+                                          show_default="all but slowmo-overlap and cpdp-step-then-average; "
+                                                       "--quick: ddp,localsgd-torch,cpdp"),
     periods: str | None = typer.Option(None, help="K values for the periodic strategies.",
                                           show_default="2,4; --quick: 4"),
     model: str | None = typer.Option(None, help="char-mlp (next character) | cnn | resnet50-cifar (ResNet-50, 3x3 "

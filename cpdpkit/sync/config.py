@@ -12,6 +12,30 @@ The schedule is pure arithmetic on the step counter ``n`` (optimizer steps, coun
 
 ``overlap_steps`` (τ) does not change which steps reconcile, only when a reconciliation's result
 is applied: τ steps after its launch, or at the next reconciliation if that comes first.
+
+``cpdp``'s reconciliation, ``cpdp_order="average-then-step"`` (the default): the reconciliation
+step ``n`` (``(n - W) % K == 0``) is a *synchronous step*. At the end of step ``n - 1`` the replicas
+are averaged and SlowMo's outer update applied, so step ``n``'s forward and backward run at the
+consensus point; its gradients are all-reduced (under backward, in buckets) and the inner step takes
+the mean gradient. With plain SGD the replicas leave step ``n`` identical; with optimizer state
+(momentum, Adam's moments) they differ only by what their states differ by. The all-reduce now
+changes the parameters: ``cpdp`` is not ``slowmo``.
+
+* warm-up: steps ``n <= W`` all-reduce gradients as DDP; the replicas are identical at the end of
+  step ``W`` (or after the initial broadcast when ``W = 0``), which is the consensus of the first
+  synchronous step if that is ``W + 1``: no average runs at the end of step ``W``. The first period
+  therefore holds ``K - 1`` local steps, every later one ``K`` steps (one synchronous, ``K - 1``
+  local) from one outer update to the next.
+* ``K = 1``: every step is synchronous and is followed by an average and outer update (on
+  identical replicas with plain SGD: SGD with SlowMo's outer momentum).
+* ``overlap_steps`` τ >= 1: the average launched at the end of step ``n - 1`` is applied at the end
+  of step ``a = min(n - 1 + τ, next launch)`` (``x ← x̃ + (x − x_launch)``), and the synchronous step
+  is ``a + 1``: it follows the late average, not the schedule's ``n``.
+* ``period="auto"``: the controller decides at each average (the numbers ride in it), and the gap
+  to the next synchronous step is the K decided, as for the other order.
+
+``cpdp_order="step-then-average"`` keeps the order before this option: the reconciliation step
+all-reduces gradients, takes its inner step, then averages (with plain SGD it equals ``slowmo``).
 """
 
 from __future__ import annotations
@@ -29,6 +53,7 @@ __all__ = [
     "STRATEGIES",
     "BUFFER_POLICIES",
     "STATE_POLICIES",
+    "CPDP_ORDERS",
     "StepKind",
     "SyncConfig",
 ]
@@ -36,6 +61,7 @@ __all__ = [
 STRATEGIES = ("ddp", "localsgd", "slowmo", "cpdp")
 BUFFER_POLICIES = ("average", "broadcast", "local")
 STATE_POLICIES = ("keep", "average", "reset")
+CPDP_ORDERS = ("average-then-step", "step-then-average")
 
 
 class StepKind(enum.StrEnum):
@@ -71,6 +97,11 @@ class SyncConfig:
     set, the replicas' relative divergence ‖x_i − x̄‖/‖x̄‖ below it
     (:mod:`cpdpkit.sync.period_control`).
 
+    ``cpdp_order`` is where ``cpdp``'s gradient all-reduce sits in its reconciliation (module
+    docstring): ``"average-then-step"`` (average, then one synchronous step from the consensus) or
+    ``"step-then-average"`` (the synchronous step, then the average; equal to ``slowmo`` with plain
+    SGD). Other strategies ignore it.
+
     ``check_replicas`` verifies with one checksum all-reduce that every replica holds identical
     parameters: after each reconciliation (with ``overlap_steps``: the reconciled value when it is
     applied, since the applied parameters keep each rank's local progress), and for ``ddp``, whose
@@ -96,9 +127,11 @@ class SyncConfig:
     k_max: int = 8
     max_divergence: float | None = None
     check_replicas: bool = False
+    cpdp_order: str = "average-then-step"
 
     def __post_init__(self) -> None:
         _choice("strategy", self.strategy, STRATEGIES)
+        _choice("cpdp_order", self.cpdp_order, CPDP_ORDERS)
         _choice("buffers", self.buffers, BUFFER_POLICIES)
         _choice("optimizer_state", self.optimizer_state, STATE_POLICIES)
         if self.period != "auto" and (not is_int(self.period) or self.period < 1):
@@ -207,8 +240,15 @@ class SyncConfig:
         return kind is StepKind.RECONCILE and self.strategy == "cpdp"
 
     def averages_parameters(self, n: int) -> bool:
-        """Whether step ``n`` averages parameters after its inner step."""
+        """Whether step ``n`` averages parameters after its inner step (blocking, fixed period)."""
+        if self.averages_first:
+            return n > self.warmup_steps and self.step_kind(n + 1) is StepKind.RECONCILE
         return self.step_kind(n) is StepKind.RECONCILE
+
+    @property
+    def averages_first(self) -> bool:
+        """``cpdp`` with ``cpdp_order="average-then-step"``: the average precedes the synchronous step."""
+        return self.strategy == "cpdp" and self.cpdp_order == "average-then-step"
 
     @property
     def uses_slowmo(self) -> bool:
@@ -247,4 +287,5 @@ class SyncConfig:
             ("optimizer_state", STATE_POLICIES.index(self.optimizer_state), STATE_POLICIES),
             ("bucket_cap_bytes", self.bucket_cap_bytes, None),
             ("check_replicas", int(self.check_replicas), None),
+            ("cpdp_order", CPDP_ORDERS.index(self.cpdp_order), CPDP_ORDERS),
         ]
