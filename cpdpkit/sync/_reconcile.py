@@ -40,6 +40,7 @@ from torch.profiler import record_function
 from cpdpkit.labels import SYNC
 from cpdpkit.sync._comm import Communicator
 from cpdpkit.sync._flat import SegmentedParameters
+from cpdpkit.sync._outer import OuterStep
 from cpdpkit.sync._state_policies import flatten_by_dtype, sync_buffers, sync_optimizer_state, write_back
 from cpdpkit.sync.config import SyncConfig
 from cpdpkit.sync.period_control import PeriodDecision, PeriodSchedule, decide_period, divergence
@@ -119,6 +120,7 @@ class Reconciler:
         # average-then-step: the schedule's reconciliation is the step after the average's
         self._ahead = 1 if config.averages_first else 0
         self.sync_step: int | None = None  # average-then-step: the step whose gradients are all-reduced
+        self.outer = OuterStep(config, flat)
         self.mark(0)
 
     # -- measuring (period="auto") ---------------------------------------------------------
@@ -176,12 +178,11 @@ class Reconciler:
         self.sync_step = n + 1
 
     def _outer_update(self, averages: list[torch.Tensor]) -> None:
-        """SlowMo on ``averages`` (they become x0), or for localsgd-auto the new reference."""
+        """The outer step on ``averages`` (they become x0), or for localsgd-auto the new reference."""
         cfg = self.config
         if cfg.uses_slowmo:
             with record_function(SYNC.SLOWMO_UPDATE.label):  # local arithmetic, not communication
-                self._flat.slowmo_update(self._optim.param_groups, beta=float(cfg.slowmo_momentum),
-                                         alpha=float(cfg.slowmo_lr), averages=averages)
+                self.outer.update(self._optim.param_groups, averages)
         elif cfg.auto:
             self._flat.set_anchor(averages)
 
@@ -248,12 +249,13 @@ class Reconciler:
                 "sent": [t.clone() for t in flight.sent], "launched": [t.clone() for t in flight.launched],
                 "buffers": [[sent.clone(), launched.clone()] for _, sent, launched, _ in flight.buffers.groups],
             }
-        return {"schedule": self.schedule.state_dict(), "sync_step": self.sync_step,
+        return {"schedule": self.schedule.state_dict(), "sync_step": self.sync_step, "outer": self.outer.state_dict(),
                 "decisions": [d.to_dict() for d in self.decisions], "in_flight": pending}
 
     def load_state_dict(self, own: dict[str, Any], step: int) -> None:
         self.schedule.load_state_dict(own.get("schedule"), step)
         self.decisions = [PeriodDecision.from_dict(d) for d in own.get("decisions", [])]
+        self.outer.load_state_dict(own.get("outer"))
         sync_step = own.get("sync_step")
         self.sync_step = None if sync_step is None else int(sync_step)
         pending = own.get("in_flight")

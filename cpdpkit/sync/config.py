@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +55,8 @@ __all__ = [
     "BUFFER_POLICIES",
     "STATE_POLICIES",
     "CPDP_ORDERS",
+    "OUTER_OPTIMIZERS",
+    "is_torch_optimizer_name",
     "StepKind",
     "SyncConfig",
 ]
@@ -62,6 +65,18 @@ STRATEGIES = ("ddp", "localsgd", "slowmo", "cpdp")
 BUFFER_POLICIES = ("average", "broadcast", "local")
 STATE_POLICIES = ("keep", "average", "reset")
 CPDP_ORDERS = ("average-then-step", "step-then-average")
+OUTER_OPTIMIZERS = ("slowmo", "diloco")  # named outer steps; any torch.optim class name too
+
+
+def is_torch_optimizer_name(name: str) -> bool:
+    """Whether ``name`` is a ``torch.optim.Optimizer`` subclass in ``torch.optim`` (imported only then:
+    this module stays torch-free for the named ones)."""
+    if not name.isidentifier() or name.startswith("_"):
+        return False
+    import torch.optim
+
+    cls = getattr(torch.optim, name, None)
+    return isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer
 
 
 class StepKind(enum.StrEnum):
@@ -102,6 +117,11 @@ class SyncConfig:
     ``"step-then-average"`` (the synchronous step, then the average; equal to ``slowmo`` with plain
     SGD). Other strategies ignore it.
 
+    ``outer_optimizer`` is the outer step of ``slowmo`` and ``cpdp`` on the pseudo-gradient ``anchor −
+    average`` (:mod:`cpdpkit.sync._outer`): ``"slowmo"`` (β = ``slowmo_momentum``, α = ``slowmo_lr``),
+    ``"diloco"`` (Nesterov SGD, lr 0.7, momentum 0.9) or a ``torch.optim`` class name, with
+    ``outer_lr`` and ``outer_momentum`` (None: the named one's, or lr 1.0 and the class's default).
+
     ``check_replicas`` verifies with one checksum all-reduce that every replica holds identical
     parameters: after each reconciliation (with ``overlap_steps``: the reconciled value when it is
     applied, since the applied parameters keep each rank's local progress), and for ``ddp``, whose
@@ -128,6 +148,9 @@ class SyncConfig:
     max_divergence: float | None = None
     check_replicas: bool = False
     cpdp_order: str = "average-then-step"
+    outer_optimizer: str = "slowmo"
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
 
     def __post_init__(self) -> None:
         _choice("strategy", self.strategy, STRATEGIES)
@@ -140,6 +163,7 @@ class SyncConfig:
                 "pass period=1 to reconcile every step, a larger K, or 'auto'"
             )
         self._check_overlap_and_auto()
+        self._check_outer()
         if not is_int(self.warmup_steps) or self.warmup_steps < 0:
             raise ConfigError(
                 f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}: "
@@ -168,6 +192,29 @@ class SyncConfig:
                 f"timeout_s must be > 0 or None, got {self.timeout_s!r}: "
                 "pass None to use the process group's timeout"
             )
+
+    def _check_outer(self) -> None:
+        name = self.outer_optimizer
+        if not isinstance(name, str) or (name not in OUTER_OPTIMIZERS and not is_torch_optimizer_name(name)):
+            raise ConfigError(
+                f"outer_optimizer {name!r} is not a torch optimizer: pass 'slowmo', 'diloco' or the name of a "
+                "torch.optim.Optimizer class, e.g. 'SGD' or 'Adam'"
+            )
+        if name != "slowmo" and self.strategy not in ("slowmo", "cpdp"):
+            raise ConfigError(
+                f"outer_optimizer={name!r} with strategy {self.strategy!r}: only slowmo and cpdp take an outer "
+                "step; use one of them, or leave outer_optimizer='slowmo'"
+            )
+        if name == "slowmo" and (self.outer_lr is not None or self.outer_momentum is not None):
+            raise ConfigError(
+                "outer_lr/outer_momentum with outer_optimizer='slowmo': SlowMo's are slowmo_lr and "
+                "slowmo_momentum; pass those, or another outer_optimizer"
+            )
+        if self.outer_lr is not None and not (not isinstance(self.outer_lr, bool) and float(self.outer_lr) > 0.0):
+            raise ConfigError(f"outer_lr must be > 0 or None, got {self.outer_lr!r}: DiLoCo's is 0.7")
+        if self.outer_momentum is not None and not 0.0 <= float(self.outer_momentum) < 1.0:
+            raise ConfigError(f"outer_momentum must be in [0, 1) or None, got {self.outer_momentum!r}: "
+                              "DiLoCo's is 0.9")
 
     def _check_overlap_and_auto(self) -> None:
         if not is_int(self.overlap_steps) or self.overlap_steps < 0:
@@ -288,4 +335,8 @@ class SyncConfig:
             ("bucket_cap_bytes", self.bucket_cap_bytes, None),
             ("check_replicas", int(self.check_replicas), None),
             ("cpdp_order", CPDP_ORDERS.index(self.cpdp_order), CPDP_ORDERS),
+            ("outer_optimizer (crc32)", zlib.crc32(self.outer_optimizer.encode()), None),
+            ("outer_lr (x 1e9, 0: default)", round(float(self.outer_lr or 0.0) * 1e9), None),
+            ("outer_momentum (x 1e9, -1: default)",
+             -1 if self.outer_momentum is None else round(float(self.outer_momentum) * 1e9), None),
         ]
