@@ -110,6 +110,9 @@ def test_auto_k_run_reports_its_k_over_time(tmp_path):
         (["--topologies", "lan,moon"], "unknown topology 'moon' in --topologies: choose from lan, wan, wan-variable"),
         (["--k-min", "9"], "--k-min 9 is above --k-max 8: give k-min <= k-max, e.g. --k-min 1 --k-max 8"),
         (["--overlap-steps", "0"], "--overlap-steps must be an integer >= 1, got 0"),
+        (["--outer-optimizer", "Foo"], "--outer-optimizer 'Foo' is not a torch optimizer: pass slowmo, diloco or "
+                                       "the name of a torch.optim.Optimizer class, e.g. --outer-optimizer SGD"),
+        (["--outer-lr", "0.5"], "--outer-lr with --outer-optimizer slowmo: SlowMo's outer LR is --slowmo-lr"),
     ],
 )
 def test_bad_options_exit_2_with_one_line_before_anything_starts(args, message, tmp_path):

@@ -14,10 +14,11 @@ from cpdpkit.bench.augment import IMAGE_DATASETS
 from cpdpkit.bench.data import DATASETS, find_cifar100
 from cpdpkit.bench.faults import CHECKPOINT_EVERY, parse_fault
 from cpdpkit.bench.image_folders import find_tiny_imagenet
+from cpdpkit.bench.mnist1d import check_mnist1d
 from cpdpkit.bench.models import check_model_available
 from cpdpkit.bench.text import check_corpus
 from cpdpkit.errors import ConfigError
-from cpdpkit.sync.config import STATE_POLICIES
+from cpdpkit.sync.config import OUTER_OPTIMIZERS, STATE_POLICIES, is_torch_optimizer_name
 from cpdpkit.topology import PRESETS
 
 __all__ = ["BENCH_STRATEGIES", "DEFAULT_STRATEGIES", "LR_SCHEDULES", "PERIODIC", "BenchConfig", "RunSpec"]
@@ -65,6 +66,8 @@ class RunSpec:
     topology: str | None = None  # None: the config's --topology (spec.json files from before --topologies)
     fault: str | None = None  # --inject-fault (cpdpkit.bench.faults); None: no fault
     checkpoint_every: int | None = None  # checkpoint into RUN_DIR/ckpt every N steps (None: no checkpoints)
+    outer_optimizer: str = "slowmo"  # the outer step of slowmo and cpdp (cpdpkit.sync._outer)
+    outer_lr: float | None = None
 
     @property
     def label(self) -> str:
@@ -98,6 +101,8 @@ class BenchConfig:
     momentum: float = 0.9
     slowmo_momentum: float = 0.5
     slowmo_lr: float = 1.0
+    outer_optimizer: str = "slowmo"  # slowmo | diloco | a torch.optim class name (slowmo and cpdp)
+    outer_lr: float | None = None  # of an outer optimizer other than slowmo (None: diloco 0.7, a class 1.0)
     warmup_steps: int = 0
     optimizer_state: str = "keep"
     lr_schedule: str = "constant"
@@ -140,7 +145,7 @@ class BenchConfig:
         if self.max_images is not None and (isinstance(self.max_images, bool) or not isinstance(self.max_images, int)
                                             or self.max_images < 1):
             raise ConfigError(f"max_images must be an integer >= 1 or None, got {self.max_images!r}: e.g. 64")
-        if self.augment and self.dataset not in IMAGE_DATASETS:
+        if self.augment and self.dataset not in (*IMAGE_DATASETS, "mnist1d"):
             raise ConfigError(f"--augment crops and flips images, and --dataset {self.dataset} holds none: "
                               "pass --no-augment")
         check_model_available(self.model)
@@ -201,8 +206,16 @@ class BenchConfig:
             raise ConfigError(f"--topologies names {', '.join(repeated)} more than once: list each topology once")
 
     def _check_model_fits_data(self) -> None:
-        """Character ids and images need different models: refuse a mismatch before any launch."""
-        if self.dataset == "stdlib-text":
+        """Character ids, 1-D sequences and images need different models: refuse a mismatch before any launch."""
+        if self.dataset == "mnist1d":
+            check_mnist1d()  # not installed: one line now, before any rank starts
+            if self.model != "cnn1d":
+                raise ConfigError(f"--model {self.model} does not read 1-D sequences, which --dataset mnist1d holds: "
+                                  "use --model cnn1d (or --preset mnist1d)")
+        elif self.model == "cnn1d":
+            raise ConfigError(f"--model cnn1d reads 1-D sequences, but --dataset {self.dataset} holds none: "
+                              "use --dataset mnist1d (or --preset mnist1d)")
+        elif self.dataset == "stdlib-text":
             check_corpus()  # a missing corpus file: one line now, not a failed run later
             if self.model != "char-mlp":
                 raise ConfigError(f"--model {self.model} needs images, but --dataset stdlib-text holds character "
@@ -216,6 +229,15 @@ class BenchConfig:
             raise ConfigError(f"--slowmo-momentum must be in [0, 1), got {self.slowmo_momentum!r}: "
                               "SlowMo's β is usually 0.5-0.8, e.g. --slowmo-momentum 0.5")
         _positive("--slowmo-lr", self.slowmo_lr, "e.g. --slowmo-lr 1.0 (SlowMo's default α)")
+        name = self.outer_optimizer
+        if not isinstance(name, str) or (name not in OUTER_OPTIMIZERS and not is_torch_optimizer_name(name)):
+            raise ConfigError(f"--outer-optimizer {name!r} is not a torch optimizer: pass slowmo, diloco or the name "
+                              "of a torch.optim.Optimizer class, e.g. --outer-optimizer SGD")
+        if self.outer_lr is not None:
+            if name == "slowmo":
+                raise ConfigError("--outer-lr with --outer-optimizer slowmo: SlowMo's outer LR is --slowmo-lr; "
+                                  "pass that, or --outer-optimizer diloco")
+            _positive("--outer-lr", self.outer_lr, "e.g. --outer-lr 0.7 (DiLoCo's)")
         if not isinstance(self.warmup_steps, int) or isinstance(self.warmup_steps, bool) or self.warmup_steps < 0:
             raise ConfigError(f"--warmup-steps must be an integer >= 0, got {self.warmup_steps!r}: "
                               "e.g. --warmup-steps 0 for no warm-up")
@@ -247,7 +269,8 @@ class BenchConfig:
                        lr_schedule=self.lr_schedule, augment=self.augment, max_images=self.max_images,
                        overlap_steps=self.overlap_steps, target_exposed_frac=self.target_exposed_frac,
                        k_min=self.k_min, k_max=self.k_max, max_divergence=self.max_divergence,
-                       topology=topology, fault=self.inject_fault,
+                       topology=topology, fault=self.inject_fault, outer_optimizer=self.outer_optimizer,
+                       outer_lr=self.outer_lr,
                        checkpoint_every=CHECKPOINT_EVERY if self.inject_fault is not None else None)
 
     def to_dict(self) -> dict[str, Any]:

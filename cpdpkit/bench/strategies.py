@@ -102,8 +102,19 @@ class StrategyRunner:
 
 
 def sync_options(strategy: str, period: int | None, *, overlap_steps: int, target_exposed_frac: float,
-                 k_min: int, k_max: int, max_divergence: float | None) -> dict[str, Any]:
-    """The :class:`PeriodicSyncOptimizer` keyword options of one of our bench strategies."""
+                 k_min: int, k_max: int, max_divergence: float | None, outer_optimizer: str = "slowmo",
+                 outer_lr: float | None = None) -> dict[str, Any]:
+    """The :class:`PeriodicSyncOptimizer` keyword options of one of our bench strategies (the outer
+    optimizer only for those with an outer step: slowmo and cpdp)."""
+    options = _period_options(strategy, period, overlap_steps=overlap_steps, target_exposed_frac=target_exposed_frac,
+                              k_min=k_min, k_max=k_max, max_divergence=max_divergence)
+    if outer_optimizer != "slowmo" and options["strategy"] in ("slowmo", "cpdp"):
+        options.update(outer_optimizer=outer_optimizer, outer_lr=outer_lr)
+    return options
+
+
+def _period_options(strategy: str, period: int | None, *, overlap_steps: int, target_exposed_frac: float,
+                    k_min: int, k_max: int, max_divergence: float | None) -> dict[str, Any]:
     if strategy == "cpdp-auto":
         return {"strategy": "cpdp", "period": "auto", "target_exposed_frac": target_exposed_frac,
                 "k_min": k_min, "k_max": k_max, "max_divergence": max_divergence}

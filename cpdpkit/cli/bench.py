@@ -136,7 +136,10 @@ def bench(
     preset: str | None = typer.Option(None, help="paper: the CPDP paper's main setting (resnet50-cifar on cifar100, "
                                          "or --dataset tinyimagenet, from --data-dir; lr 0.1 constant, momentum 0.9, "
                                          "batch 128, 200 epochs, --augment, periods 2,4, wan; with --quick: batch 4, "
-                                         "64 images). Options given override it."),
+                                         "64 images). mnist1d: MNIST-1D generated offline (pip package mnist1d), "
+                                         "its 1-D CNN with shift augmentation, 4 replicas over wan, lr 0.1, "
+                                         "momentum 0.9, ddp, localsgd, cpdp at K=4, 3 seeds. Options given "
+                                         "override it."),
     augment: bool | None = typer.Option(None, "--augment/--no-augment", show_default=False,
                                         help="Random crop (padding 4) and horizontal flip of training batches, "
                                              "seeded per (seed, epoch, rank). Off by default; on with --preset paper."),
@@ -148,6 +151,13 @@ def bench(
     momentum: float | None = typer.Option(None, help="Inner SGD momentum (every strategy).", show_default="0.9"),
     slowmo_momentum: float | None = typer.Option(None, help="SlowMo's β (slowmo, cpdp).", show_default="0.5"),
     slowmo_lr: float | None = typer.Option(None, help="SlowMo's α (slowmo, cpdp).", show_default="1.0"),
+    outer_optimizer: str | None = typer.Option(None, help="The outer step of slowmo and cpdp on the pseudo-gradient "
+                                                  "(anchor - average): slowmo (--slowmo-momentum, --slowmo-lr), "
+                                                  "diloco (Nesterov SGD, lr 0.7, momentum 0.9) or a torch.optim "
+                                                  "class name (e.g. SGD, Adam) with --outer-lr.",
+                                                  show_default="slowmo"),
+    outer_lr: float | None = typer.Option(None, help="LR of an outer optimizer other than slowmo.",
+                                             show_default="diloco 0.7, a torch.optim class 1.0"),
     warmup_steps: int | None = typer.Option(None, help="Steps of gradient all-reduce before the periodic phase "
                                                "(localsgd, slowmo, cpdp).", show_default="0"),
     optimizer_state: str | None = typer.Option(None, help="keep | average | reset: the inner optimizer's state at "
@@ -170,8 +180,9 @@ def bench(
                                            show_default="wan"),
     topologies: str | None = typer.Option(None, help="Run the whole comparison once per preset, e.g. "
                                              "lan,wan,wan-variable (instead of --topology)."),
-    seeds: int = typer.Option(1, help="Seeds per strategy (mean ± std; with >= 2, a 95 % CI of each "
-                                      "difference to ddp, paired by seed)."),
+    seeds: int | None = typer.Option(None, help="Seeds per strategy (mean ± std; with >= 2, a 95 % CI of each "
+                                             "difference to ddp, paired by seed).",
+                                     show_default="1; --preset mnist1d: 3"),
     quick: bool = typer.Option(False, "--quick", help="A small smoke run (well under a minute)."),
     profile: str | None = typer.Option(None, "--profile", help="Write traces for every run under DIR."),
     json_out: str | None = typer.Option(None, "--json", help="Write the results as JSON to FILE."),
@@ -209,7 +220,8 @@ def bench(
     config = _bench_config(
         strategies=strategies, periods=periods, model=model, dataset=dataset, data_dir=data_dir, epochs=epochs,
         batch_size=batch_size, lr=lr, momentum=momentum, slowmo_momentum=slowmo_momentum, slowmo_lr=slowmo_lr,
-        warmup_steps=warmup_steps, optimizer_state=optimizer_state, lr_schedule=lr_schedule,
+        outer_optimizer=outer_optimizer, outer_lr=outer_lr, warmup_steps=warmup_steps,
+        optimizer_state=optimizer_state, lr_schedule=lr_schedule,
         world_size=world_size, topology=topology, topologies=topologies, seeds=seeds,
         quick=quick, profile_dir=profile, augment=augment, preset=preset, overlap_steps=overlap_steps,
         target_exposed_frac=target_exposed_frac, k_min=k_min, k_max=k_max, max_divergence=max_divergence,
