@@ -21,7 +21,8 @@ from cpdpkit.errors import ConfigError
 from cpdpkit.sync.config import OUTER_OPTIMIZERS, STATE_POLICIES, is_torch_optimizer_name
 from cpdpkit.topology import PRESETS
 
-__all__ = ["BENCH_STRATEGIES", "DEFAULT_STRATEGIES", "LR_SCHEDULES", "PERIODIC", "BenchConfig", "RunSpec"]
+__all__ = ["BENCH_STRATEGIES", "DEFAULT_STRATEGIES", "LR_SCHEDULES", "OUTER_STEP", "PERIODIC", "BenchConfig", "RunSpec",
+           "slowmo_beta_for"]
 
 # every strategy the bench knows; the default runs all but slowmo-overlap and cpdp-step-then-average
 # (cpdp with cpdp_order="step-then-average": the synchronous step, then the average)
@@ -32,6 +33,15 @@ DEFAULT_STRATEGIES = BENCH_STRATEGIES[:-2]
 PERIODIC = ("localsgd-torch", "localsgd", "slowmo", "cpdp", "cpdp-overlap", "slowmo-overlap",
             "cpdp-step-then-average")
 LR_SCHEDULES = ("constant", "cosine", "step")  # built by cpdpkit.bench.strategies.build_lr_scheduler
+# the strategies with an outer step: swept over --slowmo-momentum and --outer-lr
+OUTER_STEP = ("slowmo", "cpdp", "cpdp-overlap", "cpdp-auto", "slowmo-overlap", "cpdp-step-then-average")
+# fairscale's SlowMo table (β by number of nodes, at K=48): 0 below 4, 0.2 at 4, 0.5 at 8, 0.6 at 16 and more
+_SLOWMO_BETAS = ((16, 0.6), (8, 0.5), (4, 0.2), (1, 0.0))
+
+
+def slowmo_beta_for(replicas: int) -> float:
+    """SlowMo's β for ``replicas`` replicas, as fairscale's table (the bench's default --slowmo-momentum)."""
+    return next(beta for least, beta in _SLOWMO_BETAS if is_int(replicas) and replicas >= least)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,12 +76,14 @@ class RunSpec:
     topology: str | None = None  # None: the config's --topology (spec.json files from before --topologies)
     fault: str | None = None  # --inject-fault (cpdpkit.bench.faults); None: no fault
     checkpoint_every: int | None = None  # checkpoint into RUN_DIR/ckpt every N steps (None: no checkpoints)
+    variant: str | None = None  # the point of a swept --slowmo-momentum / --outer-lr ("β=0.2"); None: no sweep
     outer_optimizer: str = "slowmo"  # the outer step of slowmo and cpdp (cpdpkit.sync._outer)
     outer_lr: float | None = None
 
     @property
     def label(self) -> str:
-        return self.strategy if self.period is None else f"{self.strategy} K={self.period}"
+        base = self.strategy if self.period is None else f"{self.strategy} K={self.period}"
+        return base if self.variant is None else f"{base} {self.variant}"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -99,10 +111,12 @@ class BenchConfig:
     batch_size: int = 128
     lr: float = 0.1
     momentum: float = 0.9
-    slowmo_momentum: float = 0.5
+    # SlowMo's β: one value, a tuple (swept like periods), or None: by the number of replicas (slowmo_beta_for)
+    slowmo_momentum: float | tuple[float, ...] | None = None
     slowmo_lr: float = 1.0
     outer_optimizer: str = "slowmo"  # slowmo | diloco | a torch.optim class name (slowmo and cpdp)
-    outer_lr: float | None = None  # of an outer optimizer other than slowmo (None: diloco 0.7, a class 1.0)
+    # of an outer optimizer other than slowmo (None: diloco 0.7, a class 1.0); a tuple is swept
+    outer_lr: float | tuple[float, ...] | None = None
     warmup_steps: int = 0
     optimizer_state: str = "keep"
     lr_schedule: str = "constant"
@@ -224,10 +238,24 @@ class BenchConfig:
             raise ConfigError(f"--model char-mlp reads character ids, but --dataset {self.dataset} holds images: "
                               "use --model cnn (or --dataset stdlib-text)")
 
+    @property
+    def betas(self) -> tuple[float, ...]:
+        """SlowMo's β values to run: the given ones, else the one for ``world_size`` replicas."""
+        if self.slowmo_momentum is None:
+            return (slowmo_beta_for(self.world_size),)
+        return self.slowmo_momentum if isinstance(self.slowmo_momentum, tuple) else (self.slowmo_momentum,)
+
+    @property
+    def outer_lrs(self) -> tuple[float | None, ...]:
+        return self.outer_lr if isinstance(self.outer_lr, tuple) else (self.outer_lr,)
+
     def _check_sync_options(self) -> None:
-        if not 0.0 <= self.slowmo_momentum < 1.0:
-            raise ConfigError(f"--slowmo-momentum must be in [0, 1), got {self.slowmo_momentum!r}: "
-                              "SlowMo's β is usually 0.5-0.8, e.g. --slowmo-momentum 0.5")
+        for beta in self.betas:
+            if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
+                raise ConfigError(f"--slowmo-momentum must be in [0, 1), got {beta!r}: SlowMo's β, e.g. "
+                                  "--slowmo-momentum 0.2 (or a list to sweep: 0,0.2,0.5)")
+        if not self.betas or not self.outer_lrs:
+            raise ConfigError("--slowmo-momentum / --outer-lr is empty: give a value, or leave it out")
         _positive("--slowmo-lr", self.slowmo_lr, "e.g. --slowmo-lr 1.0 (SlowMo's default α)")
         name = self.outer_optimizer
         if not isinstance(name, str) or (name not in OUTER_OPTIMIZERS and not is_torch_optimizer_name(name)):
@@ -237,7 +265,8 @@ class BenchConfig:
             if name == "slowmo":
                 raise ConfigError("--outer-lr with --outer-optimizer slowmo: SlowMo's outer LR is --slowmo-lr; "
                                   "pass that, or --outer-optimizer diloco")
-            _positive("--outer-lr", self.outer_lr, "e.g. --outer-lr 0.7 (DiLoCo's)")
+            for value in self.outer_lrs:
+                _positive("--outer-lr", value, "e.g. --outer-lr 0.7 (DiLoCo's), or a list to sweep: 0.5,0.7")
         if not isinstance(self.warmup_steps, int) or isinstance(self.warmup_steps, bool) or self.warmup_steps < 0:
             raise ConfigError(f"--warmup-steps must be an integer >= 0, got {self.warmup_steps!r}: "
                               "e.g. --warmup-steps 0 for no warm-up")
@@ -249,32 +278,45 @@ class BenchConfig:
                 raise ConfigError(f"{flag} {value!r} is not one of {', '.join(choices)}: e.g. {flag} {example}")
 
     def runs(self) -> list[RunSpec]:
-        """Every (topology, seed, strategy, period) to run, topology by topology, ddp first (the baseline)."""
-        return [self._spec(topology, seed, strategy, period)
+        """Every (topology, seed, strategy, period, outer point) to run, topology by topology, ddp first (the
+        baseline); the strategies with an outer step (:data:`OUTER_STEP`) run at every swept β and outer lr."""
+        return [self._spec(topology, seed, strategy, period, beta, outer_lr)
                 for topology in self.topology_names
                 for seed in range(self.seeds)
                 for strategy in self.strategies
-                for period in (self.periods if strategy in PERIODIC else (None,))]
+                for period in (self.periods if strategy in PERIODIC else (None,))
+                for beta in (self.betas if strategy in OUTER_STEP else self.betas[:1])
+                for outer_lr in (self.outer_lrs if strategy in OUTER_STEP else self.outer_lrs[:1])]
 
-    def _spec(self, topology: str, seed: int, strategy: str, period: int | None) -> RunSpec:
+    def _variant(self, strategy: str, beta: float, outer_lr: float | None) -> str | None:
+        if strategy not in OUTER_STEP:
+            return None
+        parts = ([f"β={beta:g}"] if len(self.betas) > 1 else []) + (
+            [f"outer lr={outer_lr:g}"] if len(self.outer_lrs) > 1 and outer_lr is not None else [])
+        return " ".join(parts) or None
+
+    def _spec(self, topology: str, seed: int, strategy: str, period: int | None, beta: float,
+              outer_lr: float | None) -> RunSpec:
         profile_dir = self.profile_dir
         if profile_dir is not None and len(self.topology_names) > 1:  # DIR/<topology>/<strategy>-k<K>/
             profile_dir = f"{profile_dir.rstrip('/')}/{topology}"
         return RunSpec(strategy=strategy, period=period, seed=seed, model=self.model,
                        dataset=self.dataset, data_dir=self.data_dir,
                        epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
-                       momentum=self.momentum, slowmo_momentum=self.slowmo_momentum,
+                       momentum=self.momentum, slowmo_momentum=beta, variant=self._variant(strategy, beta, outer_lr),
                        quick=self.quick, profile_dir=profile_dir, slowmo_lr=self.slowmo_lr,
                        warmup_steps=self.warmup_steps, optimizer_state=self.optimizer_state,
                        lr_schedule=self.lr_schedule, augment=self.augment, max_images=self.max_images,
                        overlap_steps=self.overlap_steps, target_exposed_frac=self.target_exposed_frac,
                        k_min=self.k_min, k_max=self.k_max, max_divergence=self.max_divergence,
                        topology=topology, fault=self.inject_fault, outer_optimizer=self.outer_optimizer,
-                       outer_lr=self.outer_lr,
+                       outer_lr=outer_lr,
                        checkpoint_every=CHECKPOINT_EVERY if self.inject_fault is not None else None)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["strategies"], out["periods"] = list(self.strategies), list(self.periods)
+        out["slowmo_momentum"] = list(self.betas) if len(self.betas) > 1 else self.betas[0]
+        out["outer_lr"] = list(self.outer_lrs) if len(self.outer_lrs) > 1 else self.outer_lrs[0]
         out["topologies"] = None if self.topologies is None else list(self.topologies)
         return out

@@ -78,6 +78,27 @@ def _int_list(name: str, text: str) -> tuple[int, ...]:
         raise ConfigError(f"{name} {text!r} is not a comma-separated list of integers: e.g. {name} 2,4") from None
 
 
+def _float_list(name: str, text: str) -> float | tuple[float, ...]:
+    """One float, or a tuple of them for a comma-separated list (swept like --periods)."""
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise ConfigError(f"{name} {text!r} is not a number or a comma-separated list of numbers: e.g. {name} "
+                          "0,0.2,0.5") from None
+    return values[0] if len(values) == 1 else values
+
+
+def _one_float(name: str, text: str) -> float:
+    """One number: a list here is refused (only --periods, --slowmo-momentum and --outer-lr are swept)."""
+    if "," in text:
+        raise ConfigError(f"{name} takes one value, got {text!r}: the swept options are --periods, "
+                          "--slowmo-momentum and --outer-lr; run once per value of " + name)
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"{name} {text!r} is not a number: e.g. {name} 0.1") from None
+
+
 def _names(text: str) -> tuple[str, ...]:
     return tuple(s.strip() for s in text.split(",") if s.strip())
 
@@ -102,6 +123,12 @@ def _bench_config(*, strategies: str | None, periods: str | None, epochs: int | 
         args["strategies"] = _names(strategies)
     elif quick:
         args["strategies"] = _QUICK_STRATEGIES
+    for flag, name in (("--slowmo-momentum", "slowmo_momentum"), ("--outer-lr", "outer_lr")):
+        if isinstance(args.get(name), str):
+            args[name] = _float_list(flag, args[name])
+    for flag, name in (("--lr", "lr"), ("--momentum", "momentum"), ("--slowmo-lr", "slowmo_lr")):
+        if isinstance(args.get(name), str):
+            args[name] = _one_float(flag, args[name])
     if periods is not None:
         args["periods"] = _int_list("--periods", periods)
     elif quick:
@@ -146,17 +173,24 @@ def bench(
     epochs: int | None = typer.Option(None, help="Passes over the training set.",
                                          show_default="4; --quick: at most 3"),
     batch_size: int | None = typer.Option(None, help="Per-rank batch size.", show_default="128"),
-    lr: float | None = typer.Option(None, help="Learning rate (fixed, the paper's main setting).",
+    lr: str | None = typer.Option(None, metavar="FLOAT", help="Learning rate (fixed, the paper's main setting).",
                                        show_default="0.1"),
-    momentum: float | None = typer.Option(None, help="Inner SGD momentum (every strategy).", show_default="0.9"),
-    slowmo_momentum: float | None = typer.Option(None, help="SlowMo's β (slowmo, cpdp).", show_default="0.5"),
-    slowmo_lr: float | None = typer.Option(None, help="SlowMo's α (slowmo, cpdp).", show_default="1.0"),
+    momentum: str | None = typer.Option(None, metavar="FLOAT", help="Inner SGD momentum (every strategy).",
+                                        show_default="0.9"),
+    slowmo_momentum: str | None = typer.Option(None, metavar="FLOAT[,FLOAT...]",
+                                               help="SlowMo's β (slowmo, cpdp); a comma-separated list is swept "
+                                                    "like --periods.",
+                                               show_default="by replicas, as fairscale: 0 below 4, 0.2 at 4, "
+                                                            "0.5 at 8, 0.6 at 16+"),
+    slowmo_lr: str | None = typer.Option(None, metavar="FLOAT", help="SlowMo's α (slowmo, cpdp).",
+                                         show_default="1.0"),
     outer_optimizer: str | None = typer.Option(None, help="The outer step of slowmo and cpdp on the pseudo-gradient "
                                                   "(anchor - average): slowmo (--slowmo-momentum, --slowmo-lr), "
                                                   "diloco (Nesterov SGD, lr 0.7, momentum 0.9) or a torch.optim "
                                                   "class name (e.g. SGD, Adam) with --outer-lr.",
                                                   show_default="slowmo"),
-    outer_lr: float | None = typer.Option(None, help="LR of an outer optimizer other than slowmo.",
+    outer_lr: str | None = typer.Option(None, metavar="FLOAT[,FLOAT...]",
+                                        help="LR of an outer optimizer other than slowmo; a list is swept.",
                                              show_default="diloco 0.7, a torch.optim class 1.0"),
     warmup_steps: int | None = typer.Option(None, help="Steps of gradient all-reduce before the periodic phase "
                                                "(localsgd, slowmo, cpdp).", show_default="0"),
