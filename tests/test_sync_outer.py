@@ -163,6 +163,9 @@ def test_outer_state_resumes_bit_identically(results, name):
         ({"outer_lr": 0.7}, "outer_lr/outer_momentum with outer_optimizer='slowmo': SlowMo's are slowmo_lr and "
                             "slowmo_momentum; pass those, or another outer_optimizer"),
         ({"outer_optimizer": "diloco", "outer_lr": 0.0}, "outer_lr must be > 0 or None, got 0.0: DiLoCo's is 0.7"),
+        ({"slowmo_momentum": [0.0, 0.5]},
+         "slowmo_momentum takes one value, got [0.0, 0.5]: construct one optimizer per value (cpdpkit bench sweeps "
+         "--periods, --slowmo-momentum and --outer-lr)"),
     ],
 )
 def test_bad_outer_optimizer_is_one_line(options, message):

@@ -153,6 +153,13 @@ class SyncConfig:
     outer_momentum: float | None = None
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, (list, tuple, set)):
+                raise ConfigError(
+                    f"{f.name} takes one value, got {value!r}: construct one optimizer per value (cpdpkit bench "
+                    "sweeps --periods, --slowmo-momentum and --outer-lr)"
+                )
         _choice("strategy", self.strategy, STRATEGIES)
         _choice("cpdp_order", self.cpdp_order, CPDP_ORDERS)
         _choice("buffers", self.buffers, BUFFER_POLICIES)
