@@ -32,6 +32,8 @@ Event = tuple[Any, ...]
 
 def _run_dir(work_dir: Path, spec: RunSpec, config: BenchConfig) -> Path:
     name = spec.strategy if spec.period is None else f"{spec.strategy}-k{spec.period}"
+    if spec.variant is not None:  # a swept point: "β=0.2 outer lr=0.7" -> "-b0.2-olr0.7"
+        name += "-" + spec.variant.replace("outer lr=", "olr").replace("β=", "b").replace(" ", "-")
     if len(config.topology_names) > 1:
         name = f"{spec.topology or config.topology}-{name}"
     return work_dir / f"{name}-seed{spec.seed}"
