@@ -46,7 +46,8 @@ def _train(rank: int, strategy: str, order: str | None, optimizer: str) -> list[
     model = make_model(0)
     options = {} if order is None else {"cpdp_order": order}
     opt = PeriodicSyncOptimizer(OPTIMIZERS[optimizer](model.parameters()), model=model, strategy=strategy,
-                                period=PERIOD, slowmo_momentum=BETA, timeout_s=60, **options)
+                                period=None if strategy == "ddp" else PERIOD, slowmo_momentum=BETA, timeout_s=60,
+                                **options)
     for n in range(1, STEPS + 1):
         opt.zero_grad()
         x, y = batch(rank, n)  # different data on every rank: local steps diverge
