@@ -23,9 +23,9 @@ __all__ = ["VALUE_OPTIONS", "FLAG_OPTIONS", "parse_profile_args", "try_profile"]
 
 # option -> ProfileArgs field
 VALUE_OPTIONS = {"--json": "json_path", "--baseline": "baseline", "--max-regression": "max_regression",
-                 "--plot": "plot", "--what-if": "what_if"}
+                 "--plot": "plot", "--what-if": "what_if", "--timeline": "timeline"}
 FLAG_OPTIONS = {"--per-step": "per_step"}
-_PATHS = {"json_path", "plot"}
+_PATHS = {"json_path", "plot", "timeline"}
 
 
 def parse_profile_args(argv: Sequence[str]) -> tuple[bool, ProfileArgs] | None:

@@ -353,6 +353,7 @@ class ProfileArgs:
     max_regression: str | None = None
     plot: Path | None = None
     what_if: str | None = None
+    timeline: Path | None = None
 
 
 _STYLE = {"error": "1;31", "regression": "1;31", "note": "33"}
@@ -378,7 +379,11 @@ def run_profile(args: ProfileArgs) -> int:
     from cpdpkit.profiler import OverlapReport, analyze
 
     limit = parse_max_regression(args.max_regression)
-    report = analyze(list(args.run_dirs), what_if=args.what_if)
+    if args.timeline is not None:
+        from cpdpkit.cli._profile_timeline import check_timeline_path
+
+        check_timeline_path(args.timeline, args.run_dirs)
+    report = analyze(list(args.run_dirs), what_if=args.what_if, timeline=args.timeline is not None)
     bases, base_report = resolve_baseline(report, args.baseline)
     base_ids = {id(b) for b in bases}
     shown = OverlapReport(
@@ -396,6 +401,10 @@ def run_profile(args: ProfileArgs) -> int:
         _write_json(_report_dict(shown, args.per_step, base_ids, check), args.json_path)
     if args.plot is not None and shown.runs:
         write_plot(shown, args.plot)
+    if args.timeline is not None and report.runs:
+        from cpdpkit.cli._profile_timeline import write_timeline
+
+        write_timeline(report, args.timeline)
     sys.stdout.flush()
     for text in [*(issue.error for issue in shown.errors), *problems]:
         _say("error", text)

@@ -33,6 +33,9 @@ def profile(
     what_if: str | None = typer.Option(None, "--what-if", metavar="TOPOLOGY", help="Predict each run's step on "
                                        "this topology (a preset name or a TOML file): every collective re-timed "
                                        "by the network model, measured compute and order kept."),
+    timeline: Path | None = typer.Option(None, "--timeline", metavar="FILE", help="Write one Chrome trace (Perfetto, "
+                                         "chrome://tracing) of every rank on one clock: compute, communication, "
+                                         "exposed, hidden and skew tracks, stragglers marked."),
 ) -> None:
     """Exposed vs hidden communication per run, from PyTorch profiler traces.
 
@@ -43,6 +46,7 @@ def profile(
     traces, traces of another run, missing ranks, bad options), also when there is a
     regression too. Everything that could be analysed is still shown and written.
     """
-    code = run_profile(ProfileArgs(tuple(run_dirs), json_path, per_step, baseline, max_regression, plot, what_if))
+    code = run_profile(ProfileArgs(tuple(run_dirs), json_path, per_step, baseline, max_regression, plot, what_if,
+                                   timeline))
     if code != EXIT_OK:
         raise typer.Exit(code)
