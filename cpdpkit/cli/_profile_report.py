@@ -383,7 +383,12 @@ def run_profile(args: ProfileArgs) -> int:
         from cpdpkit.cli._profile_timeline import check_timeline_path
 
         check_timeline_path(args.timeline, args.run_dirs)
-    report = analyze(list(args.run_dirs), what_if=args.what_if, timeline=args.timeline is not None)
+    from cpdpkit.profiler.flightrec import analyze_dumps, split_inputs
+
+    dump_runs, trace_paths = split_inputs(args.run_dirs)  # a bad dump: one line, exit 2, before any output
+    dumps = [analyze_dumps(folder, files) for folder, files in dump_runs]
+    report = (analyze(trace_paths, what_if=args.what_if, timeline=args.timeline is not None)
+              if trace_paths or not dumps else OverlapReport(runs=(), errors=()))
     bases, base_report = resolve_baseline(report, args.baseline)
     base_ids = {id(b) for b in bases}
     shown = OverlapReport(
@@ -397,8 +402,14 @@ def run_profile(args: ProfileArgs) -> int:
         if args.per_step:
             lines.append(render_step_table(shown, bases).render())
         print("\n".join([*lines, *straggler_lines(shown)]))
+    if dumps:
+        from cpdpkit.cli._profile_flightrec import flight_recorder_lines
+
+        print("\n".join(line for d in dumps for line in flight_recorder_lines(d)))
     if args.json_path is not None:
-        _write_json(_report_dict(shown, args.per_step, base_ids, check), args.json_path)
+        data = _report_dict(shown, args.per_step, base_ids, check)
+        data["flight_recorder"] = [d.to_dict() for d in dumps]
+        _write_json(data, args.json_path)
     if args.plot is not None and shown.runs:
         write_plot(shown, args.plot)
     if args.timeline is not None and report.runs:
@@ -415,7 +426,7 @@ def run_profile(args: ProfileArgs) -> int:
             _say("regression", regression_line(c).removeprefix("regression: "))
         if check.passed:
             print(no_regression_line(check))
-    if shown.errors or problems or not report.runs:
+    if shown.errors or problems or not (report.runs or dumps):
         return EXIT_USER_ERROR
     if check is not None and not check.passed:
         return EXIT_REGRESSION
