@@ -3,12 +3,34 @@
 
 from __future__ import annotations
 
+import os
+import re
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from cpdpkit.profiler.flightrec import Collective, FlightRecorderReport
 
-__all__ = ["flight_recorder_lines"]
+__all__ = ["flight_recorder_lines", "may_hold_dumps"]
+
+_DUMP_NAME = re.compile(r"^[^.]*\d$")  # cpdpkit.profiler.flightrec.is_dump's names
+
+
+def may_hold_dumps(paths: Iterable[os.PathLike[str] | str]) -> bool:
+    """Whether any path is, or is a folder holding, a file named like a dump (``<prefix><rank>``,
+    no extension): only then does the flight-recorder reader load (startup of the trace path)."""
+    for raw in paths:
+        path = os.fspath(raw)
+        if os.path.isfile(path) and _DUMP_NAME.match(os.path.basename(path)):
+            return True
+        if os.path.isdir(path):
+            try:
+                with os.scandir(path) as it:
+                    if any(_DUMP_NAME.match(e.name) and e.is_file() for e in it):
+                        return True
+            except OSError:
+                continue
+    return False
 
 
 def _ranks(ranks: tuple[int, ...]) -> str:

@@ -383,10 +383,15 @@ def run_profile(args: ProfileArgs) -> int:
         from cpdpkit.cli._profile_timeline import check_timeline_path
 
         check_timeline_path(args.timeline, args.run_dirs)
-    from cpdpkit.profiler.flightrec import analyze_dumps, split_inputs
+    from cpdpkit.cli._profile_flightrec import may_hold_dumps
 
-    dump_runs, trace_paths = split_inputs(args.run_dirs)  # a bad dump: one line, exit 2, before any output
-    dumps = [analyze_dumps(folder, files) for folder, files in dump_runs]
+    trace_paths: list[Path | str] = list(args.run_dirs)
+    dumps = []
+    if may_hold_dumps(args.run_dirs):
+        from cpdpkit.profiler.flightrec import analyze_dumps, split_inputs
+
+        dump_runs, trace_paths = split_inputs(args.run_dirs)  # a bad dump: one line, exit 2, before any output
+        dumps = [analyze_dumps(folder, files) for folder, files in dump_runs]
     report = (analyze(trace_paths, what_if=args.what_if, timeline=args.timeline is not None)
               if trace_paths or not dumps else OverlapReport(runs=(), errors=()))
     bases, base_report = resolve_baseline(report, args.baseline)

@@ -20,7 +20,8 @@ __all__ = ["profile"]
 @app.command("profile")
 def profile(
     run_dirs: list[Path] = typer.Argument(..., help="Run folders (per-rank traces + run.json), trace files, "
-                                          "folders of run folders, or folders of torch flight-recorder dumps.", show_default=False),
+                                          "folders of run folders, or folders of torch flight-recorder dumps.",
+                                          show_default=False),
     json_path: Path | None = typer.Option(None, "--json", help="Write the full report as JSON here."),
     per_step: bool = typer.Option(False, "--per-step", help="Add a per-step table (and steps to the JSON)."),
     baseline: str | None = typer.Option(None, "--baseline", help="Run to compare with: a run's name among "
