@@ -80,7 +80,9 @@ from cpdpkit.profiler.trace import RankTrace
 
 __all__ = [
     "RankCollectives",
+    "Alignment",
     "rank_collectives",
+    "align",
     "cross_rank",
     "MAX_CLOCK_OFFSET_US",
     "LATE_MARGIN_US",
@@ -120,6 +122,8 @@ class RankCollectives:
     extent_end_us: tuple[float, ...]
     compute: iv.Intervals
     blocked: iv.Intervals | None = None
+    comm: iv.Intervals = iv.EMPTY  # all communication the overlap analysis counted (for the timeline)
+    steps: tuple[tuple[int, float, float], ...] = ()  # (ProfilerStep number, start_us, end_us)
 
     def __len__(self) -> int:
         return len(self.arrival_us)
@@ -173,13 +177,14 @@ def rank_collectives(
     steps: Sequence[tuple[int, float, float]],
     anchor_us: Sequence[float],
     blocked: iv.Intervals | None = None,
+    comm: iv.Intervals = iv.EMPTY,
 ) -> RankCollectives:
     """One rank's collectives from the overlap analysis' comm entries: ``rows`` (trace rows;
     on CPU a collective's row is listed first as itself, then once per wait gap attributed to
     it), their ``kinds``, ``starts``/``ends`` (the intervals counted as communication; GPU
     times already rounded as the overlap analysis rounds them),
     ``compute``, process groups ``pgs``, the trace's ``groups``, its ``steps`` and each entry's
-    launch time ``anchor_us``."""
+    launch time ``anchor_us``; ``blocked`` and ``comm`` as the overlap analysis computed them."""
     default = None if groups else ""  # no process groups listed: one default group
     pg_all = [p if p is not None else default for p in pgs]
     picked = _picked(trace, rows, [p is not None for p in pg_all]) if len(rows) else []
@@ -213,6 +218,8 @@ def rank_collectives(
         extent_end_us=tuple(extent[uniq[t]] for t in order),
         compute=compute,
         blocked=blocked,
+        comm=comm,
+        steps=tuple(steps),
     )
 
 
@@ -367,20 +374,30 @@ def _step_weights(r: RankReport, c: RankCollectives) -> list[float]:
     return [(1.0 if s in full else 0.0) / n for s in c.step]
 
 
-def _stragglers(m: _Matches, skew: Sequence[float], ranks: Sequence[RankReport],
-                cols: Sequence[RankCollectives]) -> tuple[dict[str, Any], ...]:
-    arrival, rank_pos = m.arrival_us, m.rank_pos
+def _late(m: _Matches) -> list[int]:
+    """Per match, the position of the rank that arrived last by more than ``LATE_MARGIN_US``
+    (-1: a tie)."""
+    arrival = m.arrival_us
     by_match: list[list[int]] = [[] for _ in range(m.count)]
     for e, k in enumerate(m.match):
         by_match[k].append(e)
     late_pos = [-1] * m.count
-    late_count = [0] * len(ranks)
     for k, entries in enumerate(by_match):  # every match has two or more entries
         entries.sort(key=arrival.__getitem__)
         latest, second = entries[-1], entries[-2]
         if arrival[latest] - arrival[second] > LATE_MARGIN_US:
-            late_pos[k] = rank_pos[latest]
-            late_count[rank_pos[latest]] += 1
+            late_pos[k] = m.rank_pos[latest]
+    return late_pos
+
+
+def _stragglers(m: _Matches, skew: Sequence[float], ranks: Sequence[RankReport],
+                cols: Sequence[RankCollectives]) -> tuple[dict[str, Any], ...]:
+    rank_pos = m.rank_pos
+    late_pos = _late(m)
+    late_count = [0] * len(ranks)
+    for p in late_pos:
+        if p >= 0:
+            late_count[p] += 1
     weights = [_step_weights(r, c) for r, c in zip(ranks, cols)]
     caused = [0.0] * len(ranks)
     took_part = [0] * len(ranks)
@@ -396,6 +413,43 @@ def _stragglers(m: _Matches, skew: Sequence[float], ranks: Sequence[RankReport],
     ]
     out.sort(key=lambda d: (-d["caused_wait_us_per_step"], -d["late_count"], d["rank"]))
     return tuple(out)
+
+
+@dataclass(frozen=True, eq=False)
+class Alignment:
+    """The run's ranks on one clock and their matched collectives, as :func:`cross_rank`
+    computes them (for :mod:`cpdpkit.profiler.timeline`).
+
+    ``offsets_us[i]``: what to add to rank position ``i``'s trace clock for the common clock
+    (rank position 0's trace clock); ``problem``: why the clocks could not be aligned (then the
+    offsets are the wall clocks' as far as known and there are no matches). Per match ``k``:
+    ``entries[k]`` its ``(rank position, row in that rank's RankCollectives)`` pairs, ``late[k]``
+    the straggler's rank position (-1: a tie), ``skew_end_us[i][j]`` the end of rank ``i``'s
+    skew window at its collective ``j`` on its own clock."""
+
+    offsets_us: tuple[float, ...]
+    problem: str | None
+    entries: tuple[tuple[tuple[int, int], ...], ...]
+    late: tuple[int, ...]
+    skew_end_us: tuple[tuple[float, ...], ...]
+
+
+def align(ranks: Sequence[RankReport]) -> Alignment | None:
+    """The alignment of ``ranks`` (with their ``collectives`` still attached); ``None`` for one
+    rank, or ranks without collectives."""
+    cols = [r.collectives for r in ranks]
+    if len(ranks) < 2 or any(c is None for c in cols):
+        return None
+    offsets, problem = _offsets(ranks, cols)
+    m = _match(cols, offsets)
+    problem = problem or (_implausible(m, ranks) if m.count else None)
+    if problem is not None or m.count == 0:
+        return Alignment(tuple(offsets), problem, (), (), tuple(tuple(c.arrival_us) for c in cols))
+    entries: list[list[tuple[int, int]]] = [[] for _ in range(m.count)]
+    for k, i, j in zip(m.match, m.rank_pos, m.row):
+        entries[k].append((i, j))
+    return Alignment(tuple(offsets), None, tuple(map(tuple, entries)), tuple(_late(m)),
+                     tuple(map(tuple, _windows(m, cols, offsets))))
 
 
 def cross_rank(

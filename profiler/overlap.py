@@ -508,7 +508,8 @@ def analyze_trace(trace: RankTrace, *, rank: int | None = None) -> RankReport:
     keep = None if blocked is None else iv.union(compute, blocked)
     groups = _process_groups(trace)
     pgs, tiers = _labels(trace, rows, groups)
-    total = _totals(*_split(cs, ce, compute, keep))
+    comm_all, exposed_all, hidden_all = _split(cs, ce, compute, keep)
+    total = _totals(comm_all, exposed_all, hidden_all)
     span = max(trace.end_us) if trace.num_events else 0.0  # minus min(start_us), which is 0.0: the origin
     return RankReport(
         rank=rank if rank is not None else (trace.rank if trace.rank is not None else 0),
@@ -525,5 +526,6 @@ def analyze_trace(trace: RankTrace, *, rank: int | None = None) -> RankReport:
         steps=tuple(step_reports),
         process_groups=groups,
         collectives=rank_collectives(trace, rows, kinds, cs, ce, compute, pgs=pgs, groups=groups, steps=steps,
-                                     anchor_us=_launch_us(trace, rows, launches)[0], blocked=blocked),  # for crossrank
+                                     anchor_us=_launch_us(trace, rows, launches)[0], blocked=blocked,
+                                     comm=comm_all),  # for crossrank and the timeline
     )

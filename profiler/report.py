@@ -338,7 +338,8 @@ class WhatIf:
 @dataclass(frozen=True)
 class RunReport:
     """One run folder (or a single trace file): its ranks and their cross-rank summary;
-    ``what_if`` only when asked (``analyze(..., what_if=TOPOLOGY)``)."""
+    ``what_if`` only when asked (``analyze(..., what_if=TOPOLOGY)``), ``timeline`` (a
+    :class:`cpdpkit.profiler.timeline.RunTimeline`, not in the JSON) with ``timeline=True``."""
 
     name: str
     path: str
@@ -347,6 +348,7 @@ class RunReport:
     ranks: tuple[RankReport, ...]
     summary: RunSummary
     what_if: WhatIf | None = None
+    timeline: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "run_info", _frozen_map(self.run_info))

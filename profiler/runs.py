@@ -120,10 +120,12 @@ def _with_what_if(report: RunReport, timelines: dict[str, RankTimeline], spec: s
 
 
 def analyze_run(run_path: str, files: Sequence[str], *, name: str | None = None, what_if: str | None = None,
-                limits: TraceLimits = DEFAULT_LIMITS) -> tuple[RunReport | None, list[TraceIssue]]:
+                limits: TraceLimits = DEFAULT_LIMITS,
+                timeline: bool = False) -> tuple[RunReport | None, list[TraceIssue]]:
     """Analyse one run's rank files; a run whose every file fails is ``None``. ``what_if``: a
     topology (preset name or TOML path) to predict the run's step on (``RunReport.what_if``);
-    ``limits``: the most one trace file may cost (:class:`~cpdpkit.profiler.TraceLimits`)."""
+    ``limits``: the most one trace file may cost (:class:`~cpdpkit.profiler.TraceLimits`);
+    ``timeline``: keep what :func:`cpdpkit.profiler.timeline.timeline_doc` needs (``RunReport.timeline``)."""
     issues: list[TraceIssue] = []
     folder = run_path if os.path.isdir(run_path) else os.path.dirname(run_path) or "."
     try:
@@ -172,6 +174,11 @@ def analyze_run(run_path: str, files: Sequence[str], *, name: str | None = None,
     if not ranks:
         return None, issues
     ranks.sort(key=lambda r: (r.rank, r.path))
+    kept = None
+    if timeline:
+        from cpdpkit.profiler.timeline import run_timeline
+
+        kept = run_timeline(ranks)
     split, stragglers, split_issues = cross_rank(ranks, run_path)  # who waits for whom
     issues.extend(split_issues)
     strategy = info.get("strategy") if isinstance(info.get("strategy"), str) else None
@@ -188,6 +195,7 @@ def analyze_run(run_path: str, files: Sequence[str], *, name: str | None = None,
         run_info=info,
         ranks=split,
         summary=summarize_ranks(split, stragglers=stragglers),
+        timeline=kept,
     )
     if what_if is not None:
         report, what_if_issues = _with_what_if(report, timelines, what_if, world_sizes)
@@ -196,12 +204,13 @@ def analyze_run(run_path: str, files: Sequence[str], *, name: str | None = None,
 
 
 def analyze(paths: Iterable[str | os.PathLike[str]], *, what_if: str | None = None,
-            limits: TraceLimits = DEFAULT_LIMITS) -> OverlapReport:
+            limits: TraceLimits = DEFAULT_LIMITS, timeline: bool = False) -> OverlapReport:
     """Analyse run folders, trace files, or folders of run folders into one report.
 
     ``what_if``: a topology (preset name or TOML path) on which to predict each run's step
     (``RunReport.what_if``); an unknown one raises :class:`~cpdpkit.errors.TopologyError`
-    before any trace is read.
+    before any trace is read. ``timeline``: keep each run's :class:`~cpdpkit.profiler.timeline.RunTimeline`
+    (``RunReport.timeline``) for :func:`~cpdpkit.profiler.timeline.timeline_doc`.
 
     Run names are the ``strategy`` from ``run.json`` (with ``K=<period>`` when it names one,
     except for ddp), else the folder name; a repeated name gets the folder appended
@@ -215,7 +224,7 @@ def analyze(paths: Iterable[str | os.PathLike[str]], *, what_if: str | None = No
     reports: list[RunReport] = []
     seen: set[str] = set()
     for run_path, files in runs:
-        report, run_issues = analyze_run(run_path, files, what_if=what_if, limits=limits)
+        report, run_issues = analyze_run(run_path, files, what_if=what_if, limits=limits, timeline=timeline)
         issues.extend(run_issues)
         if report is None:
             continue

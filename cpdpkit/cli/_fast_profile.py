@@ -24,9 +24,9 @@ __all__ = ["VALUE_OPTIONS", "FLAG_OPTIONS", "parse_profile_args", "try_profile"]
 # option -> ProfileArgs field
 VALUE_OPTIONS = {"--json": "json_path", "--baseline": "baseline", "--max-regression": "max_regression",
                  "--plot": "plot", "--what-if": "what_if", "--max-trace-bytes": "max_trace_bytes",
-                 "--max-events": "max_events"}
+                 "--max-events": "max_events", "--timeline": "timeline"}
 FLAG_OPTIONS = {"--per-step": "per_step", "--strict": "strict"}
-_PATHS = {"json_path", "plot"}
+_PATHS = {"json_path", "plot", "timeline"}
 
 
 def parse_profile_args(argv: Sequence[str]) -> tuple[bool, ProfileArgs] | None:

@@ -376,6 +376,7 @@ class ProfileArgs:
     max_trace_bytes: str | None = None
     max_events: str | None = None
     strict: bool = False
+    timeline: Path | None = None
 
 
 _STYLE = {"error": "1;31", "regression": "1;31", "note": "33", "warning": "33"}
@@ -407,7 +408,22 @@ def run_profile(args: ProfileArgs) -> int:
     check_output_file(args.plot, "--plot", inputs=inputs)
     if args.json_path is not None and args.plot is not None and args.json_path.resolve() == args.plot.resolve():
         raise ConfigError(f"--json and --plot are both {str(args.json_path)!r}: pass two different files")
-    report = analyze(list(args.run_dirs), what_if=args.what_if, limits=limits)
+    if args.timeline is not None:
+        from cpdpkit.cli._profile_timeline import check_timeline_path
+
+        check_timeline_path(args.timeline, args.run_dirs)
+        check_output_file(args.timeline, "--timeline", inputs=inputs)
+    from cpdpkit.cli._profile_flightrec import may_hold_dumps
+
+    trace_paths: list[Path | str] = list(args.run_dirs)
+    dumps = []
+    if may_hold_dumps(args.run_dirs):
+        from cpdpkit.profiler.flightrec import analyze_dumps, split_inputs
+
+        dump_runs, trace_paths = split_inputs(args.run_dirs)  # a bad dump: one line, exit 2, before any output
+        dumps = [analyze_dumps(folder, files) for folder, files in dump_runs]
+    report = (analyze(trace_paths, what_if=args.what_if, limits=limits, timeline=args.timeline is not None)
+              if trace_paths or not dumps else OverlapReport(runs=(), errors=()))
     bases, base_report = resolve_baseline(report, args.baseline, limits)
     base_ids = {id(b) for b in bases}
     shown = OverlapReport(
@@ -421,10 +437,20 @@ def run_profile(args: ProfileArgs) -> int:
         if args.per_step:
             lines.append(render_step_table(shown, bases).render())
         print("\n".join([*lines, *straggler_lines(shown)]))
+    if dumps:
+        from cpdpkit.cli._profile_flightrec import flight_recorder_lines
+
+        print("\n".join(line for d in dumps for line in flight_recorder_lines(d)))
     if args.json_path is not None:
-        _write_json(_report_dict(shown, args.per_step, base_ids, check), args.json_path)
+        data = _report_dict(shown, args.per_step, base_ids, check)
+        data["flight_recorder"] = [d.to_dict() for d in dumps]
+        _write_json(data, args.json_path)
     if args.plot is not None and shown.runs:
         write_plot(shown, args.plot)
+    if args.timeline is not None and report.runs:
+        from cpdpkit.cli._profile_timeline import write_timeline
+
+        write_timeline(report, args.timeline)
     sys.stdout.flush()
     for issue in shown.errors:
         _say("warning" if issue.warning else "error", issue.error)
@@ -437,7 +463,7 @@ def run_profile(args: ProfileArgs) -> int:
             _say("regression", regression_line(c).removeprefix("regression: "))
         if check.passed:
             print(no_regression_line(check))
-    if any(args.strict or not e.warning for e in shown.errors) or problems or not report.runs:
+    if any(args.strict or not e.warning for e in shown.errors) or problems or not (report.runs or dumps):
         return EXIT_USER_ERROR
     if check is not None and not check.passed:
         return EXIT_REGRESSION

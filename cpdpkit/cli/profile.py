@@ -20,7 +20,8 @@ __all__ = ["profile"]
 @app.command("profile")
 def profile(
     run_dirs: list[Path] = typer.Argument(..., help="Run folders (per-rank traces + run.json), trace files, "
-                                          "or folders of run folders.", show_default=False),
+                                          "folders of run folders, or folders of torch flight-recorder dumps.",
+                                          show_default=False),
     json_path: Path | None = typer.Option(None, "--json", help="Write the full report as JSON here."),
     per_step: bool = typer.Option(False, "--per-step", help="Add a per-step table (and steps to the JSON)."),
     baseline: str | None = typer.Option(None, "--baseline", help="Run to compare with: a run's name among "
@@ -40,6 +41,9 @@ def profile(
                                           "trace file may hold (default 10000000)."),
     strict: bool = typer.Option(False, "--strict", help="Exit 2 on warnings too (a run with ranks missing: "
                                 "by default the present ranks are analysed, with a warning, and exit 0)."),
+    timeline: Path | None = typer.Option(None, "--timeline", metavar="FILE", help="Write one Chrome trace (Perfetto, "
+                                         "chrome://tracing) of every rank on one clock: compute, communication, "
+                                         "exposed, hidden and skew tracks, stragglers marked."),
 ) -> None:
     """Exposed vs hidden communication per run, from PyTorch profiler traces.
 
@@ -51,6 +55,6 @@ def profile(
     there is a regression too. Everything that could be analysed is still shown and written.
     """
     code = run_profile(ProfileArgs(tuple(run_dirs), json_path, per_step, baseline, max_regression, plot, what_if,
-                                   max_trace_bytes, max_events, strict))
+                                   max_trace_bytes, max_events, strict, timeline))
     if code != EXIT_OK:
         raise typer.Exit(code)
