@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch._C._profiler import _ExperimentalConfig
 
-import _planner_jobs as pj
+from _ranks import run_spawned
 from cpdpkit.emulator import EmulatorConfig, init_distributed, meter, register_emulated_backend
 from cpdpkit.topology import Tier, TopologySpec
 
@@ -56,7 +56,7 @@ def spawn_job(job: str, world_size: int, tmp_path: Path, timeout_s: float = 150.
     """Run ``job`` on ``world_size`` spawned ranks and return each rank's result."""
     out = tmp_path / job
     out.mkdir()
-    return pj.run_spawned(_entry, (job, world_size, str(out)), world_size, out, timeout_s)
+    return run_spawned(_entry, (job, world_size, str(out)), world_size, out, timeout_s)
 
 
 def _entry(rank: int, job: str, world_size: int, out: str) -> None:

@@ -285,7 +285,7 @@ def _bench_strategies_on_rank(rank: int, world: int) -> dict:
 
 @pytest.mark.slow
 def test_every_bench_strategy_gets_the_schedule_and_ours_the_sync_options():
-    from dist_utils import run_ranks
+    from _ranks import run_ranks
 
     res = run_ranks(_bench_strategies_on_rank, 2, timeout_s=50)[0]
     for strategy, got in res.items():

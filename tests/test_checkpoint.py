@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import random
 import shutil
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +21,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from _ranks import run_ranks
 from cpdpkit.checkpoint import Checkpointer, CheckpointError
 from cpdpkit.sync import PeriodicSyncOptimizer
-from dist_utils import run_ranks
 
 TOTAL_STEPS = 12
 CASES = {  # name: (sync options, steps completed at the save)
@@ -146,15 +145,7 @@ def test_two_ranks_resume_bit_identical_and_keep_their_own_state(tmp_path: Path)
     assert any(k.startswith("rank1/optimizer/cpdpkit/anchor") for k in keys)
 
 
-# ---- one rank: atomicity, RNG, refusals ----------------------------------------------------------
-@pytest.fixture
-def world1():
-    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=30))
-    yield
-    dist.destroy_process_group()
-
-
+# ---- one rank (the world1 fixture of tests/conftest.py): atomicity, RNG, refusals ------------
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"every": 0}, "every = 0 is invalid; use a whole number of steps >= 1, e.g. every=100"),
     ({"every": 2.5}, "every = 2.5 is invalid; use a whole number of steps >= 1, e.g. every=100"),

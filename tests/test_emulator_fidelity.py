@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from _fault_jobs import CONTEND_BYTES, LATE_S, NUM_BYTES, P2P_LATE_S, TOPOLOGY
+from _fault_jobs import CONTEND_BYTES, LATE_S, NUM_BYTES, P2P_LATE_S, TOPOLOGY, RankRun, run_ranks
 from cpdpkit.errors import TopologyError
 from cpdpkit.network import concurrent_time_s
 from cpdpkit.topology import Tier, Topology, preset
-from test_faults import RankRun, run_ranks
 
 LOW, HIGH = 0.97, 1.25  # measured / modeled
 SLACK_S = 0.005  # 4 processes and their gloo threads on 2 shared cores: wake-ups of a few ms

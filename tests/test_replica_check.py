@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
+from _ranks import run_ranks
 from cpdpkit.errors import ConfigError, DistributedSetupError
 from cpdpkit.sync import PeriodicSyncOptimizer, SyncConfig
 from cpdpkit.sync._replicas import checksum
-from dist_utils import run_ranks
 
 FIX = ("something changed parameters on some ranks only (code that writes them outside the optimizer, or faulty "
        "hardware): fix that, then resume from the last checkpoint")

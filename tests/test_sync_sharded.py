@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import _sharded_sync_jobs as jobs
-from dist_utils import run_ranks
+from _ranks import run_ranks
 
 pytestmark = pytest.mark.timeout(400)
 

@@ -1,7 +1,8 @@
 """Count the checks of the test suite with ``ast`` (a developer tool; not installed, not run by ``make``).
 
 A check is an ``assert`` statement, or a call of ``pytest.raises``, ``pytest.approx``, ``pytest.fail``,
-``pytest.warns``, ``pytest.deprecated_call`` or ``torch.testing.assert_close`` outside an ``assert``. Counted per file of ``tests/`` (test modules and their ``_*.py`` helpers,
+``pytest.warns``, ``pytest.deprecated_call`` or ``torch.testing.assert_close`` outside an ``assert``, or a
+``raise AssertionError(...)`` (the rank runners' "a rank failed / hung"). Counted per file of ``tests/`` (test modules and their ``_*.py`` helpers,
 where the jobs that ranks run hold their own asserts), so a restructuring of the suite can say how
 many checks it had before and after::
 
@@ -34,7 +35,9 @@ def count(source: str) -> int:
     inside = {id(c) for a in asserts for c in ast.walk(a) if isinstance(c, ast.Call)}
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and id(n) not in inside
              and _call_name(n) in CALLS]
-    return len(asserts) + len(calls)
+    raised = [n for n in ast.walk(tree) if isinstance(n, ast.Raise) and isinstance(n.exc, ast.Call)
+              and _call_name(n.exc) == "AssertionError"]
+    return len(asserts) + len(calls) + len(raised)
 
 
 def main(argv: list[str] | None = None) -> int:
