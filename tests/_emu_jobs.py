@@ -22,6 +22,7 @@ from torch._C._profiler import _ExperimentalConfig
 
 from _ranks import run_spawned
 from cpdpkit.emulator import EmulatorConfig, init_distributed, meter, register_emulated_backend
+from cpdpkit.emulator.metering import timed_runs
 from cpdpkit.topology import Tier, TopologySpec
 
 # Modeled times of 30-145 ms (latency and bandwidth terms both matter) dwarf gloo's own time and CPU noise.
@@ -75,13 +76,7 @@ def _entry(rank: int, job: str, world_size: int, out: str) -> None:
 # ---- checks ------------------------------------------------------------------------------------
 def _timed_runs(op: Callable[[], Any], gloo: Any) -> list[float]:
     """Seconds of each of ``NUM_TIMED_RUNS`` runs of ``op``, each timed from this rank's exit of a barrier."""
-    times = []
-    for _ in range(NUM_TIMED_RUNS):
-        dist.barrier(gloo)
-        t0 = time.perf_counter()
-        op()
-        times.append(time.perf_counter() - t0)
-    return times
+    return timed_runs(op, gloo, NUM_TIMED_RUNS)
 
 
 def collective_times(world: int, gloo: Any, num_bytes: int = TIMED_BYTES) -> dict[str, list[float]]:

@@ -1,10 +1,10 @@
 """Count the checks of the test suite with ``ast`` (a developer tool; not installed, not run by ``make``).
 
-A check is an ``assert`` statement, or a call of ``pytest.raises``, ``pytest.approx``, ``pytest.fail``,
-``pytest.warns``, ``pytest.deprecated_call`` or ``torch.testing.assert_close`` outside an ``assert``, or a
-``raise AssertionError(...)`` (the rank runners' "a rank failed / hung"). Counted per file of ``tests/`` (test modules and their ``_*.py`` helpers,
-where the jobs that ranks run hold their own asserts), so a restructuring of the suite can say how
-many checks it had before and after::
+A check is an ``assert`` statement, a call of ``pytest.raises``, ``pytest.approx``, ``pytest.fail``,
+``pytest.warns``, ``pytest.deprecated_call`` or ``torch.testing.assert_close`` outside an ``assert``,
+or a ``raise AssertionError(...)`` (the rank runners' "a rank failed / hung"). Counted per file of
+``tests/`` (test modules and their ``_*.py`` helpers, where the jobs that ranks run hold their own
+asserts), so a restructuring of the suite can say how many checks it had before and after::
 
     python tools/count_checks.py            # the total and one line per file
     python tools/count_checks.py --total    # the total only
