@@ -13,15 +13,9 @@ import json
 import pytest
 import torch
 
+import _executor_checks as checks
 import _executor_jobs as jobs
 import _planner_jobs as pj
-from _executor_checks import (
-    ALTERNATE,
-    check_collectives_labelled,
-    check_gloo_cases,
-    check_resumed,
-    check_stats_and_clipping,
-)
 from _ranks import SPAWN_TIMEOUT_S, share_spawn
 from cpdpkit import labels
 from cpdpkit.planner import PlannerConfig, PlannerError, plan_sharding
@@ -34,7 +28,7 @@ GLOO_CASES = [
     {"name": "adamw", "optimizer": "adamw", "exact": True},
     {"name": "adamw-clip", "optimizer": "adamw", "max_grad_norm": 0.05, "exact": True},
     {"name": "sgd-clip-never", "optimizer": "sgd", "max_grad_norm": 1e6, "exact": True},
-    {"name": "sgd-clip-alternate", "optimizer": "sgd", "max_grad_norm": "alternate", "loss_scales": ALTERNATE,
+    {"name": "sgd-clip-alternate", "optimizer": "sgd", "max_grad_norm": "alternate", "loss_scales": checks.ALTERNATE,
      "exact": True, "profile": True},
     {"name": "adamw-bf16", "optimizer": "adamw", "mp": "bf16"},
     {"name": "adamw-bf16-reduce", "optimizer": "adamw", "mp": "bf16-reduce"},
@@ -66,7 +60,7 @@ def _check_case(rank, case, res, stages):
     assert abs(2 * ex["state_bytes"] - hsdp["state_bytes"]) <= 3 * 2 * 4, (name, rank)
     for pending in ex["pending"]:  # stage-2 exchanges are in flight after step(), stage-1 ones are done
         assert pending == {unit: stage == 2 for unit, (stage, _) in stages.items()}, name
-    clipped = check_stats_and_clipping(name, ex, hsdp["norms"], res["max_grad_norm"])
+    clipped = checks.check_stats_and_clipping(name, ex, hsdp["norms"], res["max_grad_norm"])
     if clipped is not None:
         stats = ex["stats"]
         assert stats["stage1_launched"] == 2 * stats["clip_speculated"] / jobs.NUM_STEPS, name
@@ -118,7 +112,7 @@ def gloo_results(all_results):
 @pytest.mark.timeout(SPAWN_TIMEOUT_S)  # the first test to ask for planner_spawn waits for all of it
 def test_executor_matches_hsdp_on_4_gloo_ranks(gloo_results):
     plan, results = gloo_results
-    clipped = check_gloo_cases(plan, results, GLOO_CASES, _check_case)
+    clipped = checks.check_gloo_cases(plan, results, GLOO_CASES, _check_case)
     for rank, rank_result in enumerate(results):
         # the two replicas of a shard hold disjoint halves: together exactly HSDP's state
         for res, other in zip(rank_result["cases"], results[rank ^ 2]["cases"]):
@@ -141,7 +135,7 @@ def test_executor_misuse_and_labels_on_4_gloo_ranks(gloo_results):
         assert "a second synced backward before step()" in errors[1]
         assert "set_requires_gradient_sync(False)" in errors[1]
         ex = rank_result["cases"][by_name["sgd-clip-alternate"]]["ex"]
-        seen = check_collectives_labelled(ex["events"], ("FSDP::",))
+        seen = checks.check_collectives_labelled(ex["events"], ("FSDP::",))
         h = labels.SHARD
         assert {h.GRAD_REDUCE_SCATTER, h.GRAD_WAIT, h.GRAD_NORM, h.PARAM_ALL_GATHER, h.PARAM_WAIT, h.UPDATE,
                 h.TIMINGS} <= seen, seen
@@ -223,4 +217,4 @@ def test_executor_state_dict_round_trips_through_dcp(all_results):
     init), continue to N: bit-identical parameters to an uninterrupted run (AdamW, with and without
     clipping; plain state dict and the executor as a DCP Stateful)."""
     results = all_results[1]["resume4"]
-    check_resumed(results, "TwoStageExecutor")
+    checks.check_resumed(results, "TwoStageExecutor")

@@ -13,16 +13,10 @@ import math
 import pytest
 import torch
 
+import _executor_checks as checks
 import _executor_jobs as ej
 import _partial_jobs as jobs
 import _planner_jobs as pj
-from _executor_checks import (
-    ALTERNATE,
-    check_collectives_labelled,
-    check_gloo_cases,
-    check_resumed,
-    check_stats_and_clipping,
-)
 from _ranks import SPAWN_TIMEOUT_S, share_spawn
 from cpdpkit import labels
 from cpdpkit.planner import PlannerConfig, PlannerError, plan_sharding
@@ -34,7 +28,7 @@ GLOO_CASES = [
     {"name": "sgd", "optimizer": "sgd", "exact": True},
     {"name": "adamw", "optimizer": "adamw", "exact": True},
     {"name": "adamw-clip", "optimizer": "adamw", "max_grad_norm": 0.05, "exact": True},
-    {"name": "sgd-clip-alternate", "optimizer": "sgd", "max_grad_norm": "alternate", "loss_scales": ALTERNATE,
+    {"name": "sgd-clip-alternate", "optimizer": "sgd", "max_grad_norm": "alternate", "loss_scales": checks.ALTERNATE,
      "exact": True, "profile": True},
     {"name": "adamw-accum", "optimizer": "adamw", "accum": 2, "exact": True, "errors": True},
 ]
@@ -87,14 +81,14 @@ def _check_case(rank, case, res, _stages):
         assert torch.equal(ex["params"][fqn], expect), (name, fqn, rank)
     # a quarter of the whole model's optimizer state (within one element per unit and state tensor)
     assert abs(4 * ex["state_bytes"] - ref["state_bytes"]) <= 4 * 3 * 2 * 4, (name, rank)
-    return check_stats_and_clipping(name, ex, ref["norms"], res["max_grad_norm"])
+    return checks.check_stats_and_clipping(name, ex, ref["norms"], res["max_grad_norm"])
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(SPAWN_TIMEOUT_S)  # the first test to ask for planner_spawn waits for all of it
 def test_partial_matches_data_parallel_on_4_gloo_ranks(gloo_results):
     plan, results = gloo_results
-    clipped = check_gloo_cases(plan, results, GLOO_CASES, _check_case)
+    clipped = checks.check_gloo_cases(plan, results, GLOO_CASES, _check_case)
     for i, case in enumerate(GLOO_CASES):  # the four ranks' slices partition the state exactly
         states = [r["cases"][i]["ex"]["state_bytes"] for r in results]
         assert sum(states) == results[0]["cases"][i]["ref"]["state_bytes"], (case["name"], states)
@@ -112,12 +106,12 @@ def test_partial_misuse_labels_and_checkpoint_on_4_gloo_ranks(gloo_results):
         assert len(errors) == 2 and "zero_grad() after a synced backward" in errors[0], errors
         assert "a second synced backward before step()" in errors[1], errors
         ex = rank_result["cases"][by_name["sgd-clip-alternate"]]["ex"]
-        seen = check_collectives_labelled(ex["events"], ())
+        seen = checks.check_collectives_labelled(ex["events"], ())
         h = labels.SHARD
         assert {h.GRAD_REDUCE_SCATTER, h.GRAD_WAIT, h.GRAD_NORM, h.PARAM_ALL_GATHER, h.PARAM_WAIT, h.UPDATE,
                 h.TIMINGS} <= seen, seen
     resumed = [{"cases": r["cases"][len(GLOO_CASES):]} for r in results]
-    check_resumed(resumed, "PartialShardExecutor")
+    checks.check_resumed(resumed, "PartialShardExecutor")
 
 
 @pytest.mark.slow
