@@ -48,6 +48,7 @@ NUM_JITTER_CALLS = 4
 TIMED_BYTES = 1024 * 1024
 FOUR_RANK_BYTES = 1024 * 1024
 NUM_TIMED_RUNS = 5
+REF_SLEEP_S = 0.03  # the reference call that measures how late this thread wakes under the load of the moment
 OVERLAP_COMPUTE_S = 0.05  # a busy loop until this much wall time has passed
 METER_BYTES = 1024
 CALL_LABEL = "test::all_reduce_call"
@@ -90,6 +91,8 @@ def collective_times(world: int, gloo: Any, num_bytes: int = TIMED_BYTES) -> dic
         "all_reduce": _timed_runs(lambda: dist.all_reduce(x), gloo),
         "all_gather": _timed_runs(lambda: dist.all_gather_into_tensor(gathered, torch.ones(n // world)), gloo),
         "reduce_scatter": _timed_runs(lambda: dist.reduce_scatter_tensor(scattered, x), gloo),
+        # this thread's own lateness at the time: a sleep of known length, timed the same way
+        "wake_late_s": max(t - REF_SLEEP_S for t in _timed_runs(lambda: time.sleep(REF_SLEEP_S), gloo)),
     }
 
 

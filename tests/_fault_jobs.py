@@ -37,6 +37,7 @@ NUM_STEPS = 8
 NUM_BYTES = 4096
 CONTEND_BYTES = 1 << 20
 LATE_S, P2P_LATE_S = 0.08, 0.05  # how late rank 1 arrives in the skew job
+REF_SLEEP_S = 0.03  # the reference call that measures how late the ranks wake under the load of the moment
 
 
 @dataclass
@@ -101,6 +102,12 @@ def _skew(rank: int, gloo: Any) -> dict[str, Any]:
     return out
 
 
+def _wake_late_s(gloo: Any) -> float:
+    """How late the ranks end a plain sleep of known length, timed as the collectives are (the worst
+    of three): what the load of the moment adds to any timed call, the emulator's included."""
+    return max(makespan_s(lambda: time.sleep(REF_SLEEP_S), gloo) - REF_SLEEP_S for _ in range(3))
+
+
 def _contend(rank: int, gloo: Any) -> dict[str, Any]:
     """2 nodes x 2 ranks: the groups {0, 2} and {1, 3} cross the same two node uplinks."""
     pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
@@ -135,6 +142,7 @@ def main(job: str, rank: int, world: int, folder: str, timeout_s: float) -> None
         result.update(_skew(rank, gloo))
         if world == 4:
             result.update(_contend(rank, gloo))
+        result["wake_late_s"] = _wake_late_s(gloo)
         dist.barrier(gloo)
     result["world_size"] = info.world_size
     Path(folder, f"rank{rank}.json").write_text(json.dumps(result))
