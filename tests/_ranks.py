@@ -7,7 +7,7 @@
 * :func:`run_spawned`, :func:`run_phases`, :func:`share_spawn` / :func:`run_shared_spawn`: entry
   points on N ``torch.multiprocessing`` processes that start their own process groups through a
   ``file://`` rendezvous (no port at all); the jobs of many test modules in ONE group of 4 processes
-  (the ``planner_spawn`` fixture).
+  (the ``planner_spawn`` fixture), :func:`share_fn` for a function written for :func:`run_ranks`.
 * :func:`run_processes` / :func:`run_script_ranks`: rank *scripts* as plain processes (their exit
   codes and stderr are what a test checks, or their traces must come from processes that imported
   nothing of the test); each one's output goes to a file, so no pipe fills up.
@@ -150,7 +150,7 @@ def run_phases(world_size: int, tmp_path: Path, phases: list[tuple[str, Any, int
 _SHARED_PHASES: dict[str, tuple[Any, float, int]] = {}
 # The timeout of every test that uses the shared group: the first one to ask waits for all of it
 # (the owners' shares below add up to less).
-SPAWN_TIMEOUT_S = 900
+SPAWN_TIMEOUT_S = 1200
 
 
 def share_spawn(owner: str, build: Any, timeout_s: float, *, order: int = 0) -> None:
@@ -160,6 +160,26 @@ def share_spawn(owner: str, build: Any, timeout_s: float, *, order: int = 0) -> 
     of the group's timeout. Owners run by ``order``, then as registered (a job that may leave its
     process's state behind, e.g. a collective that timed out, goes last)."""
     _SHARED_PHASES[owner] = (build, timeout_s, order)
+
+
+def share_fn(owner: str, name: str, fn: Callable, ranks: int, timeout_s: float, *, root_kwarg: str | None = None,
+             order: int = 0, **kwargs: Any) -> None:
+    """Put ``fn(rank, ranks, **kwargs)`` (a function as :func:`run_ranks` runs it) into the session's
+    one spawned group as job ``name`` of test module ``owner``: its ranks get a gloo process group of
+    their own, and ``root_kwarg``, if given, names the keyword that gets the job's own fresh folder.
+    What each rank returns comes back by rank in ``planner_spawn[owner][name]``."""
+    share_spawn(owner, lambda: [(name, _fn_phase, ranks, (fn, kwargs, root_kwarg))], timeout_s, order=order)
+
+
+def _fn_phase(rank: int, ranks: int, out: str, fn: Callable, kwargs: dict, root_kwarg: str | None) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=ranks,
+                            timeout=timedelta(seconds=60))
+    result = fn(rank, ranks, **({**kwargs, root_kwarg: out} if root_kwarg else kwargs))
+    torch.save(result, Path(out, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def run_shared_spawn(tmp_path: Path, owners: set[str]) -> dict[str, dict[str, list[Any]]]:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from _ranks import run_ranks
+from _ranks import SPAWN_TIMEOUT_S, share_fn
 from cpdpkit.checkpoint import Checkpointer, CheckpointError
 from cpdpkit.sync import PeriodicSyncOptimizer
 
@@ -115,13 +115,19 @@ def _wrong_strategy(rank: int, root: Path) -> str:
 def _two_rank_job(rank: int, world: int, root: str) -> dict[str, Any]:
     out = {name: _resume_case(rank, name, Path(root)) for name in CASES}
     out["wrong_strategy"] = _wrong_strategy(rank, Path(root))
+    out["root"] = root
     return out
 
 
+# on 2 ranks of the session's one spawned group (tests/conftest.py planner_spawn), in a folder of its own
+share_fn(__name__, "resume", _two_rank_job, 2, timeout_s=90.0, root_kwarg="root")
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(150)
-def test_two_ranks_resume_bit_identical_and_keep_their_own_state(tmp_path: Path) -> None:
-    results = run_ranks(_two_rank_job, 2, timeout_s=120, root=str(tmp_path))
+@pytest.mark.timeout(SPAWN_TIMEOUT_S)  # the first test to ask for planner_spawn waits for all of it
+def test_two_ranks_resume_bit_identical_and_keep_their_own_state(planner_spawn) -> None:
+    results = planner_spawn[__name__]["resume"]
+    root = Path(results[0]["root"])
     for rank, res in enumerate(results):
         for name, (_, save_at) in CASES.items():
             case = res[name]
@@ -138,7 +144,7 @@ def test_two_ranks_resume_bit_identical_and_keep_their_own_state(tmp_path: Path)
     for name in ("cpdp-mid-period", "localsgd-mid-period", "cpdp-in-flight"):
         assert not _same(results[0][name]["saved_params"], results[1][name]["saved_params"]), name
     # every rank's state is its own set of DCP entries; nothing under a shared key
-    folder = next((tmp_path / "cpdp-mid-period").glob("step*"))
+    folder = next((root / "cpdp-mid-period").glob("step*"))
     keys = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
     assert {k.split("/", 1)[0] for k in keys} == {"rank0", "rank1"}
     assert {"rank0/model/0.weight", "rank1/model/0.weight", "rank0/skeleton", "rank1/skeleton"} <= set(keys)
