@@ -28,9 +28,10 @@ run: setup
 	mkdir -p runs
 	$(VENV)/bin/cpdpkit bench --json runs/bench.json --plot runs/bench.png
 
-# ruff, then the import layering (tools/check_layers.py), then the tests
+# ruff, then the import layering (tools/check_layers.py), then the tests on 2 workers (tests/conftest.py
+# keeps each module, and each shared group of spawned ranks, on one worker)
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 lint: setup
 	$(VENV)/bin/ruff check .
