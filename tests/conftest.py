@@ -8,8 +8,8 @@ results. Each job of ``planner_spawn`` gets its own process group; the calls of 
 asserts everything it asserted when it spawned its own ranks. All of it starts ranks through
 tests/_ranks.py, the one module that does.
 
-``make test`` runs the suite on 2 pytest-xdist workers (``-n 2 --dist loadgroup``): most tests wait
-on processes they started. :func:`pytest_collection_modifyitems` keeps each module on one worker
+``make test PYTEST_ARGS="-n 2 --dist loadgroup"`` runs the suite on 2 pytest-xdist workers (most
+tests wait on processes they started). :func:`pytest_collection_modifyitems` keeps each module on one worker
 (its module-scoped jobs run once) and every test of each shared group on one worker (the group is
 started once per session, not once per worker)."""
 
