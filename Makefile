@@ -28,11 +28,9 @@ run: setup
 	mkdir -p runs
 	$(VENV)/bin/cpdpkit bench --json runs/bench.json --plot runs/bench.png
 
-# ruff, then the import layering (tools/check_layers.py), then the tests (PYTEST_ARGS="-n 2 --dist loadgroup"
-# runs them on 2 pytest-xdist workers; tests/conftest.py keeps each module and each shared group on one worker)
-PYTEST_ARGS ?=
+# ruff, then the import layering (tools/check_layers.py), then the tests
 test: lint
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -6,12 +6,7 @@ for a group runs every collected module's jobs in it, one after the other, and t
 results. Each job of ``planner_spawn`` gets its own process group; the calls of ``sync_ranks`` share one
 (each builds its own models, optimizers and sub-groups, and seeds its own data). Every test still
 asserts everything it asserted when it spawned its own ranks. All of it starts ranks through
-tests/_ranks.py, the one module that does.
-
-``make test PYTEST_ARGS="-n 2 --dist loadgroup"`` runs the suite on 2 pytest-xdist workers (most
-tests wait on processes they started). :func:`pytest_collection_modifyitems` keeps each module on one worker
-(its module-scoped jobs run once) and every test of each shared group on one worker (the group is
-started once per session, not once per worker)."""
+tests/_ranks.py, the one module that does."""
 
 from __future__ import annotations
 
@@ -48,18 +43,6 @@ def world1():
     dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=30))
     yield
     dist.destroy_process_group()
-
-
-SHARED_GROUPS = ("planner_spawn", "sync_ranks")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Each test's xdist group (read only by ``--dist loadgroup``): the shared group it asks for, else
-    its module."""
-    for item in items:
-        names = getattr(item, "fixturenames", ())
-        group = next((g for g in SHARED_GROUPS if g in names), item.nodeid.split("::", 1)[0])
-        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def _collected_modules(request) -> set[str]:
