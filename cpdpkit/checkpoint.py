@@ -20,9 +20,15 @@ such as the optimizer's ``"cpdpkit"`` entry). So nothing is saved under a shared
 saves its whole state (model, optimizer, RNG, extras, all of it its own copy) under keys starting
 ``rank<R>/``. Each tensor is one DCP entry ``rank<R>/<path>``; everything else (the nesting, ints,
 floats, strings, ``None``, the optimizer's ``"cpdpkit"`` dict around its tensors, Python's RNG
-state) is one DCP bytes entry ``rank<R>/skeleton`` (pickled) in which tensors are references to their
-entries. Restoring builds DCP's load template from the checkpoint's own metadata (the shapes and
-dtypes of this rank's entries), so it needs no knowledge of what was saved, and puts the skeleton
+state) is JSON in ``rank<R>.skeleton.json``, in which tensors are references to their entries.
+**A checkpoint is data, not code**: nothing is unpickled on restore (the skeleton is JSON, tensors
+load through ``torch.load(weights_only=True)``, DCP's pickled ``.metadata`` through an unpickler that
+admits only DCP's metadata classes, and no DCP bytes entry is written or read); anything in a state
+dict that is not plain data is refused at save, naming its key. The manifest
+``cpdpkit-checkpoint.json`` lists every file's size and SHA-256: restore refuses a truncated,
+corrupted or foreign folder in one line before loading anything. Restoring builds DCP's load template
+from the checkpoint's own metadata (the shapes and dtypes of this rank's entries), so it needs no
+knowledge of what was saved, and puts the skeleton
 back together: the same Python objects, and tensors equal bit for bit. Model tensors are copied
 into the live model in place (parameters that are views of a flat buffer, FSDP2's sharded
 parameters: a DTensor is saved as its local shard). The price: parameters replicated across ranks
@@ -34,7 +40,8 @@ is written), then rank 0 writes ``cpdpkit-checkpoint.json`` and renames the fold
 ``DIR/step<N>`` (8 digits), and a last barrier makes every rank return only after that rename.
 The rename is the commit: :meth:`Checkpointer.restore` considers only ``step<N>`` folders holding
 the JSON, so a crash mid-save leaves at most a ``.tmp-*`` folder that no restore picks (the next
-restore removes it). The ``keep`` newest checkpoints are kept.
+restore removes it). The ``keep`` newest checkpoints are kept; pruning deletes only folders whose
+manifest says this checkpointer wrote them.
 
 **Randomness.** Each rank's RNG states are saved and restored: torch's CPU generator, CUDA's when
 CUDA is initialised, Python's ``random`` and, when numpy is imported, numpy's global generator.
@@ -55,14 +62,12 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import random
 import re
 import shutil
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -73,71 +78,25 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
+from cpdpkit import _checkpoint_files as files
 from cpdpkit.contracts import SyncedExecutor
 from cpdpkit.errors import CpdpkitError
 
 __all__ = ["Checkpointer", "CheckpointError"]
 
-_FORMAT = 1
+_FORMAT = 2  # 1: the skeleton was a pickle (refused: loading it could run code)
 _META_FILE = "cpdpkit-checkpoint.json"
 _STEP_DIR = re.compile(r"^step(\d{8})$")
 _TMP_PREFIX = ".tmp-step"
-_SKELETON = "skeleton"
+_SKELETON = "rank{rank}.skeleton.json"
 
 
 class CheckpointError(CpdpkitError, ValueError):
     """A checkpoint cannot be written or does not fit this run (names the value and the fix)."""
 
 
-@dataclass(frozen=True)
-class _Ref:
-    """In a skeleton: the DCP entry holding a tensor (``local``: it was a DTensor's local shard)."""
-
-    key: str
-    local: bool = False
-
-
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-def _flatten(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
-    """``obj`` with every tensor replaced by a :class:`_Ref` to ``tensors[key]`` (keys from the path)."""
-    if isinstance(obj, torch.Tensor):
-        key = prefix if prefix not in tensors else f"{prefix}#{len(tensors)}"
-        is_dtensor = hasattr(obj, "to_local")
-        tensors[key] = _local(obj).detach()
-        return _Ref(key, is_dtensor)
-    if isinstance(obj, dict):  # OrderedDict (a module's state dict) stays an OrderedDict
-        items = {k: _flatten(v, f"{prefix}/{k}", tensors) for k, v in obj.items()}
-        return items if type(obj) is dict else type(obj)(items)
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        items = [_flatten(v, f"{prefix}/{i}", tensors) for i, v in enumerate(obj)]
-        return items if isinstance(obj, list) else tuple(items)
-    return obj
-
-
-def _unflatten(obj: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
-    if isinstance(obj, _Ref):
-        return tensors[obj.key]
-    if isinstance(obj, dict):
-        items = {k: _unflatten(v, tensors) for k, v in obj.items()}
-        return items if type(obj) is dict else type(obj)(items)
-    if isinstance(obj, list):
-        return [_unflatten(v, tensors) for v in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_unflatten(v, tensors) for v in obj)
-    return obj
-
-
-def _holds_local_shards(obj: Any) -> bool:
-    if isinstance(obj, _Ref):
-        return obj.local
-    if isinstance(obj, dict):
-        return any(_holds_local_shards(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return any(_holds_local_shards(v) for v in obj)
-    return False
 
 
 def _rng_state() -> dict[str, Any]:
@@ -145,8 +104,9 @@ def _rng_state() -> dict[str, Any]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        state["numpy"] = numpy.random.get_state()
+    if numpy is not None:  # ("MT19937", uint32 array, pos, has_gauss, cached): the array as plain ints
+        kind, keys, pos, has_gauss, cached = numpy.random.get_state()
+        state["numpy"] = (str(kind), [int(k) for k in keys], int(pos), int(has_gauss), float(cached))
     return state
 
 
@@ -158,7 +118,8 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
     if "numpy" in state:
         import numpy
 
-        numpy.random.set_state(state["numpy"])
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        numpy.random.set_state((kind, numpy.asarray(keys, dtype=numpy.uint32), pos, has_gauss, cached))
 
 
 def _describe(optimizer: Any) -> tuple[str, str | None]:
@@ -260,21 +221,26 @@ class Checkpointer:
         extra = dict(extra or {})
         self._check_objects(model, optimizer, extra)
         rank = self._rank()
-        state = self._gather(step, model, optimizer, extra)  # before any collective: a bad object fails alone
+        tensors, skeleton = self._gather(step, model, optimizer, extra)  # before any collective: fails alone
         tmp = self.directory / f"{_TMP_PREFIX}{step:08d}"
         final = self.directory / f"step{step:08d}"
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         self._barrier("before writing checkpoint")
-        dcp.save(state, checkpoint_id=str(tmp), process_group=self._pg())
+        with open(tmp / _SKELETON.format(rank=rank), "wb") as fh:
+            fh.write(skeleton)
+            fh.flush()
+            os.fsync(fh.fileno())
+        dcp.save(tensors, checkpoint_id=str(tmp), process_group=self._pg())
         if rank == 0:
             self._commit(step, tmp, final, optimizer, extra)
         self._barrier("after committing checkpoint")
         return final
 
     # -- saving -----------------------------------------------------------------------------------
-    def _gather(self, step: int, model: nn.Module, optimizer: Any, extra: Mapping[str, Any]) -> dict[str, Any]:
+    def _gather(self, step: int, model: nn.Module, optimizer: Any,
+                extra: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], bytes]:
         # The optimizer first: it finishes exchanges in flight (an executor writes them into the model).
         if isinstance(optimizer, SyncedExecutor):  # the model is saved on its own, below
             optim_state = optimizer.state_dict(include_model=False)
@@ -284,21 +250,34 @@ class Checkpointer:
                  "extra": {name: obj.state_dict() for name, obj in extra.items()}, "rng": _rng_state()}
         prefix = f"rank{self._rank()}"
         tensors: dict[str, torch.Tensor] = {}
-        skeleton = _flatten(whole, prefix, tensors)
+        local: list[str] = []
+
+        def ref(tensor: torch.Tensor, path: str) -> dict[str, Any]:
+            key = path if path not in tensors else f"{path}#{len(tensors)}"
+            tensors[key] = _local(tensor).detach()
+            if hasattr(tensor, "to_local"):
+                local.append(key)
+            return {"$tensor": key, "local": hasattr(tensor, "to_local")}
+
+        try:
+            skeleton = files.skeleton_text(files.encode_skeleton(whole, prefix, ref))
+        except files.SkeletonError as exc:
+            raise CheckpointError(f"cannot save checkpoint state: {exc}") from None
         # PeriodicSyncOptimizer wraps local shards back into DTensors when it loads; a plain optimizer cannot
         rebuilds = _describe(optimizer)[0] == "PeriodicSyncOptimizer"
-        if (_holds_local_shards(skeleton["optimizer"]) and not rebuilds) or _holds_local_shards(skeleton["extra"]):
+        if any(k.startswith(f"{prefix}/extra/") or (k.startswith(f"{prefix}/optimizer/") and not rebuilds)
+               for k in local):
             raise CheckpointError(f"{type(optimizer).__name__}'s state holds DTensors (FSDP2 with a plain optimizer), "
                                   "which restore could not rebuild: wrap the optimizer in PeriodicSyncOptimizer or use "
                                   "TwoStageExecutor, or dcp.save(get_state_dict(model, optimizer)) for such a model")
-        # bytes: DCP stores them as one opaque entry (a dict or list would be flattened into many)
-        return {**tensors, f"{prefix}/{_SKELETON}": pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)}
+        return tensors, skeleton
 
     def _commit(self, step: int, tmp: Path, final: Path, optimizer: Any, extra: Mapping[str, Any]) -> None:
         kind, strategy = _describe(optimizer)
         meta = {"format": _FORMAT, "step": step, "world_size": dist.get_world_size(), "optimizer": kind,
                 "strategy": strategy, "extra": sorted(extra), "torch": torch.__version__,
-                "saved_unix_s": time.time()}
+                "saved_unix_s": time.time(), "writer": files.WRITER,
+                "files": files.hash_files(tmp, skip=_META_FILE)}
         with open(tmp / _META_FILE, "w", encoding="utf-8") as fh:
             json.dump(meta, fh, indent=1)
             fh.flush()
@@ -316,7 +295,7 @@ class Checkpointer:
     def _prune(self) -> None:
         if self.keep is None:
             return
-        steps = sorted(p for p in self.directory.iterdir() if _STEP_DIR.match(p.name))
+        steps = sorted(p for p in self.directory.iterdir() if _STEP_DIR.match(p.name) and _ours(p))
         for old in steps[: max(0, len(steps) - self.keep)]:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -332,9 +311,21 @@ class Checkpointer:
         kind, strategy = _describe(optimizer)
         elsewhere = f"point Checkpointer at another directory than {str(self.directory)!r}"
         fix = f"resume with the settings that wrote it, or {elsewhere}"
-        if meta.get("format") != _FORMAT:
-            raise CheckpointError(f"checkpoint {str(folder)!r} has format {meta.get('format')!r}, this cpdpkit "
-                                  f"reads {_FORMAT}: load it with the cpdpkit version that wrote it")
+        if not isinstance(meta, dict):
+            raise CheckpointError(f"checkpoint {str(folder)!r} has a {_META_FILE} that is not an object: it was not "
+                                  f"written by cpdpkit's Checkpointer; {elsewhere}")
+        if meta.get("format") == 1:
+            raise CheckpointError(f"checkpoint {str(folder)!r} has format 1 (its state is a pickle, which this cpdpkit "
+                                  "never loads: loading it could run code): delete it, or resume it with cpdpkit "
+                                  "before format 2 if you trust whoever could write that folder")
+        if meta.get("format") != _FORMAT or meta.get("writer") != files.WRITER:
+            raise CheckpointError(f"checkpoint {str(folder)!r} has format {meta.get('format')!r} from "
+                                  f"{meta.get('writer')!r}, this cpdpkit reads {_FORMAT} from {files.WRITER!r}: load "
+                                  "it with the cpdpkit version that wrote it")
+        problem = files.verify_files(folder, meta.get("files"), skip=_META_FILE)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {str(folder)!r} is damaged or not ours: {problem}; delete that folder "
+                                  "to resume from the one before it")
         if meta.get("world_size") != world:
             raise CheckpointError(f"checkpoint {str(folder)!r} was written by {meta.get('world_size')} ranks, this "
                                   f"run has {world}: launch {meta.get('world_size')} ranks, or {elsewhere}")
@@ -360,22 +351,39 @@ class Checkpointer:
                                   f"{low} to {high}; -1: none): put the folder on storage every rank sees")
 
     def _load(self, folder: Path) -> dict[str, Any]:
-        prefix = f"rank{self._rank()}/"
-        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+        rank = self._rank()
+        prefix = f"rank{rank}/"
+        reader = files.SafeReader(str(folder))
+        skeleton_file = folder / _SKELETON.format(rank=rank)
+        try:
+            metadata = reader.read_metadata()
+            node = files.read_skeleton(skeleton_file)
+        except (files.SkeletonError, OSError) as exc:  # the manifest matched: written by a hostile hand
+            raise CheckpointError(f"checkpoint {str(folder)!r} cannot be read safely ({exc}): delete that folder "
+                                  "to resume from the one before it") from None
         template: dict[str, Any] = {}
         for key, md in metadata.state_dict_metadata.items():
-            if not key.startswith(prefix):
-                continue
-            if hasattr(md, "size"):
+            if key.startswith(prefix):
+                if not hasattr(md, "size"):  # a bytes entry: DCP would torch.load(weights_only=False) it
+                    raise CheckpointError(f"checkpoint {str(folder)!r} holds a bytes entry {key!r}, which this "
+                                          "checkpointer never writes nor loads: use another directory")
                 template[key] = torch.empty(md.size, dtype=md.properties.dtype)
-            else:
-                template[key] = None  # a bytes entry: DCP replaces it with the unpickled object
-        if f"{prefix}{_SKELETON}" not in template:
-            raise CheckpointError(f"checkpoint {str(folder)!r} has no state for {prefix[:-1]}: it was not written "
-                                  "by this Checkpointer with this world size; use another directory")
-        dcp.load(template, checkpoint_id=str(folder), process_group=self._pg())
-        skeleton = pickle.loads(template.pop(f"{prefix}{_SKELETON}"))  # written by _gather; DCP unpickles too
-        return _unflatten(skeleton, template)
+        dcp.load(template, checkpoint_id=str(folder), storage_reader=reader, process_group=self._pg())
+
+        def tensor(ref: dict[str, Any]) -> torch.Tensor:
+            if ref.get("$tensor") not in template:
+                raise files.SkeletonError(f"it names a tensor {str(ref.get('$tensor'))[:80]!r} that is not there")
+            return template[ref["$tensor"]]
+
+        try:
+            state = files.decode_skeleton(node, tensor)
+        except files.SkeletonError as exc:
+            raise CheckpointError(f"checkpoint {str(folder)!r} has a bad {skeleton_file.name} ({exc}): delete "
+                                  "that folder to resume from the one before it") from None
+        if not isinstance(state, dict) or not {"model", "optimizer", "extra", "rng"} <= set(state):
+            raise CheckpointError(f"checkpoint {str(folder)!r} has no state for rank {rank}: it was not written by "
+                                  "this Checkpointer with this world size; use another directory")
+        return state
 
     def _apply(self, state: dict[str, Any], model: nn.Module, optimizer: Any, extra: Mapping[str, Any]) -> None:
         self._copy_into_model(model, state["model"])
@@ -437,6 +445,15 @@ class Checkpointer:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
             raise CheckpointError(f"checkpoint barrier {what} failed or timed out after {self.timeout_s:g} s "
                                   f"({first}): check that every rank calls maybe_save at the same step") from exc
+
+
+def _ours(folder: Path) -> bool:
+    """Whether ``folder``'s manifest says this checkpointer wrote it (pruning deletes nothing else)."""
+    try:
+        meta = json.loads((folder / _META_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and meta.get("writer") == files.WRITER and isinstance(meta.get("files"), dict)
 
 
 def _fsync_dir(path: Path) -> None:

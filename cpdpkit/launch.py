@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from cpdpkit._env import TOPOLOGY_ENV
+from cpdpkit._values import refuse_nonfinite
 from cpdpkit.errors import ConfigError, LaunchError
 from cpdpkit.topology import Topology, TopologySpec, resolve_topology
 
@@ -84,6 +85,7 @@ class LaunchConfig:
     run_info: dict[str, Any] = field(default_factory=dict)  # extra keys for run.json
 
     def __post_init__(self) -> None:
+        refuse_nonfinite(self, ConfigError)
         _check_positive("nproc_per_node", self.nproc_per_node)
         if not isinstance(self.nnodes, str) or not all(p.isdigit() and int(p) > 0 for p in self.nnodes.split(":")):
             raise ConfigError(f"nnodes = {self.nnodes!r} is invalid; use N or MIN:MAX, e.g. '2' or '1:4'")

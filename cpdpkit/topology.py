@@ -91,7 +91,12 @@ __all__ = [
 
 _PLACEMENT_FIELDS = ("ranks_per_node", "nodes_per_site", "num_sites")
 _LEVEL_FIELDS = ("intra_node_tier", "inter_node_tier", "inter_site_tier")
-_MAX_COUNT = 2**31 - 1  # torch.distributed's ranks and world sizes are 32-bit ints
+# The most ranks a topology places (each count, and their product). Work is proportional to the ranks:
+# `topology show` lists them, the planner prices each rank's groups, the profiler's what-if each rank's
+# timeline. At 2**20 ranks `cpdpkit plan` takes ~22 s and 1.3 GB and `topology show` ~4 s (measured on a
+# loaded 2-core machine); the largest clusters today have ~10**5 GPUs. torch's own limit is 2**31 - 1.
+MAX_RANKS = 2**20
+_MAX_COUNT = MAX_RANKS
 _MAX_TOML_BYTES = 1 << 20  # a topology is a few tiers: 1 MiB is thousands of them
 
 
@@ -102,7 +107,8 @@ def _check_count(path: str, value: Any, *, allow_none: bool) -> None:
         hint = ' (or "auto" in a TOML [placement])' if allow_none else ""
         raise TopologyError(f"{path} = {_short_repr(value)} is invalid; set it to a whole number >= 1{hint}")
     if value > _MAX_COUNT:
-        raise TopologyError(f"{path} = {_short_repr(value)} is too large; set it to a whole number <= {_MAX_COUNT}")
+        raise TopologyError(f"{path} = {_short_repr(value)} is too large; set it to a whole number <= {_MAX_COUNT:,} "
+                            "(the most ranks cpdpkit plans or emulates: its work grows with the ranks)")
 
 
 def _short_repr(value: Any) -> str:
@@ -151,6 +157,10 @@ class _Links:
                 raise TopologyError(f"topology {self.name!r}: {path} is unset, but a placed Topology has every "
                                     "placement count; leave it open in a TopologySpec and call place(world_size)")
             _check_count(path, value, allow_none=True)
+        counts = [getattr(self, p) for p in _PLACEMENT_FIELDS if getattr(self, p) is not None]
+        if math.prod(counts) > _MAX_COUNT:
+            raise TopologyError(f"topology {self.name!r}: {' x '.join(map(str, counts))} = {math.prod(counts):,} ranks "
+                                f"is too many; place at most {_MAX_COUNT:,} (the most ranks cpdpkit plans or emulates)")
         open_counts = [p for p in _PLACEMENT_FIELDS if getattr(self, p) is None]
         if len(open_counts) > 1:
             raise TopologyError(

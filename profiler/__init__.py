@@ -21,6 +21,7 @@ and names the stragglers (``run.summary.stragglers``).
 
 from __future__ import annotations
 
+from cpdpkit.profiler._reader import TraceLimits
 from cpdpkit.profiler.classify import KINDS, canonical_kind
 from cpdpkit.profiler.errors import TraceError, TraceFileError
 from cpdpkit.profiler.intervals import Intervals
@@ -57,6 +58,7 @@ __all__ = [
     "WaitSplit",
     "WhatIf",
     "RankTrace",
+    "TraceLimits",
     "Intervals",
     "KINDS",
     "canonical_kind",

@@ -163,5 +163,6 @@ def _missing(run_path: str, world: int, final: Mapping[str, int], failed: Sequen
     missing = [r for r in range(world) if r not in present and r not in failed_ranks]
     if not missing:
         return []
-    text = f"{run_path}: world size {world}, but no trace of {ranks_text(missing)} (found {len(present)} of {world})"
-    return [TraceIssue(run_path, text)]
+    text = (f"{run_path}: world size {world}, but no trace of {ranks_text(missing)} (found {len(present)} of {world}); "
+            "the present ranks are analysed")
+    return [TraceIssue(run_path, text, warning=True)]

@@ -13,6 +13,15 @@ outside the array (``distributedInfo``, ``deviceProperties``, ...) is parsed wit
 the end as the object with an empty ``traceEvents``. Unusual but valid layouts fall back to
 parsing the whole file with orjson, which also produces orjson's exact message for invalid
 JSON. Nothing is ever eval'ed or unpickled.
+
+Cost is bounded on any file, including a gzip bomb (:class:`TraceLimits`): time is linear in the
+decompressed size (whitespace between events is dropped as it is read; a cut that fails is not
+searched again, and the next read doubles the buffer, so a huge or never-ending event costs a
+constant number of passes over its bytes); at most ``max_bytes`` decompressed bytes are read and
+``max_events`` events kept, the key ``"traceEvents"`` must start within the first
+``HEAD_LIMIT`` bytes and an event must end within ``MAX_EVENT_BYTES``. A file the streaming path
+cannot follow is read whole, at most ``WHOLE_LIMIT`` bytes (a whole parse builds up to ~25 bytes
+of objects per byte). Each limit ends in one line naming it and how to raise it.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import os
 import re
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import orjson
@@ -29,7 +39,7 @@ import orjson
 from cpdpkit.profiler.errors import TraceFileError
 
 __all__ = ["read_events", "read_events_whole", "read_range", "events_start", "meta_around", "StreamingNotPossible",
-           "DEFAULT_CHUNK_BYTES"]
+           "DEFAULT_CHUNK_BYTES", "TraceLimits", "DEFAULT_LIMITS"]
 
 DEFAULT_CHUNK_BYTES = 64 << 10  # measured: small chunks are as fast (cache-friendly) and keep memory flat
 _GZIP_MAGIC = b"\x1f\x8b"
@@ -37,6 +47,9 @@ _KEY = re.compile(rb'"traceEvents"\s*:\s*\[')
 _WS = re.compile(rb"\s*")
 _AFTER_CLOSE = re.compile(rb"\s*[,\]]")
 _MAX_TRIES = 8
+HEAD_LIMIT = 64 << 20  # Kineto writes a few KiB of metadata before the events
+MAX_EVENT_BYTES = 16 << 20  # no cut within this many bytes: not a Kineto event (they are < 1 MiB); read whole
+WHOLE_LIMIT = 64 << 20  # a whole parse builds up to ~25 bytes of objects per byte (`[{},{}...]`)
 
 Batch = Callable[[Any, int], None]
 Parse = Callable[[bytes], Any]  # raises ValueError (orjson.JSONDecodeError is one) on invalid JSON
@@ -44,6 +57,58 @@ Parse = Callable[[bytes], Any]  # raises ValueError (orjson.JSONDecodeError is o
 
 class StreamingNotPossible(Exception):
     """The streaming path cannot handle this file; read it whole instead."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TraceLimits:
+    """The most one trace file may cost: decompressed bytes read and events kept.
+
+    The defaults take a Kineto trace of 4 GiB, or of 10 million events (about 2.5 GiB at ~250 bytes
+    each; ~15 s to analyse); the CLI's ``--max-trace-bytes`` and ``--max-events`` raise them.
+    """
+
+    max_bytes: int = 4 << 30
+    max_events: int = 10_000_000
+
+    def __post_init__(self) -> None:
+        for name in ("max_bytes", "max_events"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} = {value!r} is invalid; use a whole number >= 1")
+
+    def too_many_events(self, path: str) -> TraceFileError:
+        return TraceFileError(path, f"more than {self.max_events:,} events, the limit: raise it with --max-events "
+                                    "(TraceLimits.max_events) if the trace is real")
+
+
+DEFAULT_LIMITS = TraceLimits()
+
+
+class _Bounded:
+    """A file object that raises a one-line :class:`TraceFileError` once ``limit`` bytes have been read."""
+
+    def __init__(self, fh: BinaryIO, path: str, limit: int, flag: str) -> None:
+        self.fh, self.path, self.left, self.limit, self.flag = fh, path, limit, limit, flag
+
+    def read(self, n: int = -1) -> bytes:
+        want = self.left + 1 if n < 0 or n > self.left else n
+        data = self.fh.read(want)
+        self.left -= len(data)
+        if self.left < 0:
+            raise TraceFileError(self.path, f"more than {self.limit:,} bytes {self.flag}")
+        return data
+
+    def __enter__(self) -> _Bounded:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.fh.close()
+
+
+def _open_bounded(path: str, limits: TraceLimits, limit: int | None = None, flag: str | None = None) -> _Bounded:
+    return _Bounded(_open(path), path, limits.max_bytes if limit is None else limit, flag or
+                    "decompressed, the limit: raise it with --max-trace-bytes (TraceLimits.max_bytes) if the trace "
+                    "is real")
 
 
 def _open(path: str) -> BinaryIO:
@@ -99,11 +164,18 @@ def _parse_all(data: bytes, path: str) -> dict[str, Any]:
     return _meta_from(doc, path)
 
 
-def _stream_array(fh: BinaryIO, buf: bytes, path: str, chunk: int, on_batch: Batch, parse: Parse) -> bytes:
-    """Feed the events of the open ``traceEvents`` array to ``on_batch``; return what follows it."""
+def _stream_array(fh: BinaryIO, buf: bytes, path: str, chunk: int, on_batch: Batch, parse: Parse,
+                  limits: TraceLimits) -> bytes:
+    """Feed the events of the open ``traceEvents`` array to ``on_batch``; return what follows it.
+
+    Linear in the bytes read: leading whitespace is dropped before reading on, ``lo`` marks where
+    the last failed search for a cut ended (those ``}`` are not tried again), and after a failed
+    round the next read is as large as the buffer (a long event takes O(log n) rounds)."""
     index = 0
     eof = False
-    first = True
+    need_comma = False  # after an event: a ``,`` (or the ``]``) comes next
+    lo = 0
+    grow = chunk
     while True:
         if len(buf) < chunk and not eof:
             more = _read(fh, chunk, path)
@@ -111,29 +183,42 @@ def _stream_array(fh: BinaryIO, buf: bytes, path: str, chunk: int, on_batch: Bat
             buf += more
             continue
         pos = _WS.match(buf).end()
-        if not first and buf[pos : pos + 1] == b",":
+        if need_comma and buf[pos : pos + 1] == b",":
+            need_comma = False
             pos = _WS.match(buf, pos + 1).end()
+        if pos == len(buf) and not eof:  # only whitespace (and perhaps the comma): drop it, read on
+            buf = _read(fh, chunk, path)
+            eof, lo = not buf, 0
+            continue
         if buf[pos : pos + 1] == b"]":
             return buf[pos + 1 :]
-        events, cut = _parse_prefix(buf, pos, parse)
+        if need_comma:
+            raise StreamingNotPossible  # two events without a comma: invalid, let orjson say where
+        events, cut = _parse_prefix(buf, pos, parse, max(lo, pos))
         if events is None:
-            if eof:
+            if eof or len(buf) - pos > MAX_EVENT_BYTES:
                 raise StreamingNotPossible
-            more = _read(fh, chunk, path)
+            buf = buf[pos:]
+            lo = max(0, len(buf) - 1)  # a ``}`` at the very end may become a cut once its follower arrives
+            grow = max(grow, len(buf))
+            more = _read(fh, grow, path)
             eof = not more
             buf += more
             continue
         on_batch(events, index)
         index += len(events)
-        first = False
+        if index > limits.max_events:
+            raise limits.too_many_events(path)
+        need_comma, lo, grow = True, 0, chunk
         buf = buf[cut:]
 
 
-def _parse_prefix(buf: bytes, pos: int, parse: Parse) -> tuple[Any, int]:
-    """Parse the longest run of whole events in ``buf[pos:]``; ``(None, 0)`` if none is whole."""
+def _parse_prefix(buf: bytes, pos: int, parse: Parse, lo: int) -> tuple[Any, int]:
+    """Parse the longest run of whole events in ``buf[pos:]``, cut at a ``}`` at or after ``lo``;
+    ``(None, 0)`` if none is whole."""
     end = len(buf)
     for _ in range(_MAX_TRIES):
-        j = buf.rfind(b"}", pos, end)
+        j = buf.rfind(b"}", lo, end)
         if j < 0:
             return None, 0
         end = j
@@ -150,30 +235,34 @@ def _parse_prefix(buf: bytes, pos: int, parse: Parse) -> tuple[Any, int]:
 
 
 def read_events(
-    path: str, on_batch: Batch, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, parse: Parse = orjson.loads
+    path: str, on_batch: Batch, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, parse: Parse = orjson.loads,
+    limits: TraceLimits = DEFAULT_LIMITS,
 ) -> dict[str, Any]:
     """Stream ``traceEvents`` of ``path`` to ``on_batch(parse(b"[...]"), first_index)``; return the rest.
 
     ``parse`` turns the bytes of a JSON array of events into a batch (``len`` = number of
     events), raising ``ValueError`` when they are not valid JSON.
     The returned dict is the top-level object without the events (``traceEvents`` is []).
-    Raises :class:`TraceFileError` with one line naming the file and the problem, or
-    :class:`StreamingNotPossible` (after some batches may have been delivered) when the
-    layout needs :func:`read_events_whole`.
+    Raises :class:`TraceFileError` with one line naming the file and the problem (a limit of
+    ``limits`` included), or :class:`StreamingNotPossible` (after some batches may have been
+    delivered) when the layout needs :func:`read_events_whole`.
     """
     path = os.fspath(path)
-    with _open(path) as fh:
-        head = b""
+    with _open_bounded(path, limits) as fh:
+        head = bytearray()
         while True:
             m = _KEY.search(head)
             if m:
                 break
-            more = _read(fh, chunk_bytes, path)
+            if len(head) > HEAD_LIMIT:
+                raise StreamingNotPossible
+            more = _read(fh, max(chunk_bytes, len(head)), path)  # type: ignore[arg-type]  # doubling: linear
             if not more:
                 raise StreamingNotPossible
             head += more
-        rest = _stream_array(fh, head[m.end() :], path, chunk_bytes, on_batch, parse)
-        tail = rest + _read(fh, -1, path)
+        head = bytes(head)
+        rest = _stream_array(fh, head[m.end() :], path, chunk_bytes, on_batch, parse, limits)  # type: ignore[arg-type]
+        tail = rest + _read(fh, -1, path)  # type: ignore[arg-type]
     return meta_around(head[: m.end()], tail)
 
 
@@ -221,14 +310,15 @@ class _Window:
 
 
 def read_range(path: str, start: int, end: int, last: bool, on_batch: Batch, *,
-               chunk_bytes: int = DEFAULT_CHUNK_BYTES, parse: Parse = orjson.loads) -> bytes:
+               chunk_bytes: int = DEFAULT_CHUNK_BYTES, parse: Parse = orjson.loads,
+               limits: TraceLimits = DEFAULT_LIMITS) -> bytes:
     """Stream the events in bytes ``[start, end)`` of an uncompressed trace, where ``start`` is
     :func:`events_start` or the ``{`` of an event; every range but the ``last`` must end exactly
     where the next event begins (before its ``{``), else :class:`StreamingNotPossible`. Returns
     what follows the array (``last``), else ``b""``."""
     with open(path, "rb") as raw:
         fh = _Window(raw, start, None if last else end, b"" if last else b"]")
-        rest = _stream_array(fh, b"", path, chunk_bytes, on_batch, parse)  # type: ignore[arg-type]
+        rest = _stream_array(fh, b"", path, chunk_bytes, on_batch, parse, limits)  # type: ignore[arg-type]
         if last:
             return rest + _read(fh, -1, path)  # type: ignore[arg-type]
     if rest.strip() or fh.read():
@@ -236,11 +326,15 @@ def read_range(path: str, start: int, end: int, last: bool, on_batch: Batch, *,
     return b""
 
 
-def read_events_whole(path: str, on_batch: Batch) -> dict[str, Any]:
-    """Non-streaming read (whole file through orjson); exact orjson messages for bad JSON."""
+def read_events_whole(path: str, on_batch: Batch, *, limits: TraceLimits = DEFAULT_LIMITS) -> dict[str, Any]:
+    """Non-streaming read (whole file through orjson, at most ``WHOLE_LIMIT`` bytes); exact orjson
+    messages for bad JSON."""
     path = os.fspath(path)
-    with _open(path) as fh:
-        data = _read(fh, -1, path)
+    limit = min(WHOLE_LIMIT, limits.max_bytes)
+    flag = ("decompressed, the most read whole (the streaming reader could not follow this file: it is not "
+            "valid JSON, or its 'traceEvents' starts after the first 64 MiB)") if limit == WHOLE_LIMIT else None
+    with _open_bounded(path, limits, limit, flag) as fh:
+        data = _read(fh, -1, path)  # type: ignore[arg-type]
     doc = _parse_all(data, path)
     del data
     events = doc.pop("traceEvents")

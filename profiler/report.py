@@ -312,9 +312,10 @@ class TraceIssue:
 
     path: str
     error: str
+    warning: bool = False  # the rest was analysed (missing ranks); ``cpdpkit profile --strict`` exits 2 anyway
 
-    def to_dict(self) -> dict[str, str]:
-        return {"path": self.path, "error": self.error}
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "error": self.error, **({"warning": True} if self.warning else {})}
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from cpdpkit.profiler._ranks import RankHint, rank_hint, run_json_ranks, settle_ranks
+from cpdpkit.profiler._reader import DEFAULT_LIMITS, TraceLimits
 from cpdpkit.profiler.crossrank import cross_rank
 from cpdpkit.profiler.errors import TraceFileError
 from cpdpkit.profiler.overlap import analyze_trace
@@ -118,10 +119,11 @@ def _with_what_if(report: RunReport, timelines: dict[str, RankTimeline], spec: s
     return dataclasses.replace(report, what_if=predict_run(mine, topology, name=spec, world_size=size)), []
 
 
-def analyze_run(run_path: str, files: Sequence[str], *, name: str | None = None,
-                what_if: str | None = None) -> tuple[RunReport | None, list[TraceIssue]]:
+def analyze_run(run_path: str, files: Sequence[str], *, name: str | None = None, what_if: str | None = None,
+                limits: TraceLimits = DEFAULT_LIMITS) -> tuple[RunReport | None, list[TraceIssue]]:
     """Analyse one run's rank files; a run whose every file fails is ``None``. ``what_if``: a
-    topology (preset name or TOML path) to predict the run's step on (``RunReport.what_if``)."""
+    topology (preset name or TOML path) to predict the run's step on (``RunReport.what_if``);
+    ``limits``: the most one trace file may cost (:class:`~cpdpkit.profiler.TraceLimits`)."""
     issues: list[TraceIssue] = []
     folder = run_path if os.path.isdir(run_path) else os.path.dirname(run_path) or "."
     try:
@@ -139,9 +141,16 @@ def analyze_run(run_path: str, files: Sequence[str], *, name: str | None = None,
     world_sizes: list[int] = []
     for index, path in enumerate(files):
         try:
-            trace = load_trace(path)
+            trace = load_trace(path, limits=limits)
+            if trace.num_events == 0:
+                raise TraceFileError(path, "no events in 'traceEvents': the profiler recorded nothing (check its "
+                                           "schedule's active steps, and that prof.step() is called)")
             hint = rank_hint(path, trace.meta, rank_map)
             ranks.append(analyze_trace(trace, rank=hint.rank if hint.rank is not None else index))
+            if not ranks[-1].full_steps:
+                issues.append(TraceIssue(path, f"{path}: no complete ProfilerStep#N event, so no step was found: the "
+                                               "per-step figures are empty (call prof.step() once per step)",
+                                         warning=True))
             if what_if is not None:
                 from cpdpkit.profiler.whatif import rank_timeline
 
@@ -186,7 +195,8 @@ def analyze_run(run_path: str, files: Sequence[str], *, name: str | None = None,
     return report, issues
 
 
-def analyze(paths: Iterable[str | os.PathLike[str]], *, what_if: str | None = None) -> OverlapReport:
+def analyze(paths: Iterable[str | os.PathLike[str]], *, what_if: str | None = None,
+            limits: TraceLimits = DEFAULT_LIMITS) -> OverlapReport:
     """Analyse run folders, trace files, or folders of run folders into one report.
 
     ``what_if``: a topology (preset name or TOML path) on which to predict each run's step
@@ -205,7 +215,7 @@ def analyze(paths: Iterable[str | os.PathLike[str]], *, what_if: str | None = No
     reports: list[RunReport] = []
     seen: set[str] = set()
     for run_path, files in runs:
-        report, run_issues = analyze_run(run_path, files, what_if=what_if)
+        report, run_issues = analyze_run(run_path, files, what_if=what_if, limits=limits)
         issues.extend(run_issues)
         if report is None:
             continue

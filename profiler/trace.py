@@ -34,7 +34,9 @@ from cpdpkit.profiler._events import EventBatch, decode_batch, packed
 from cpdpkit.profiler._parallel import PARALLEL_MIN_BYTES, map_ranges, split_events, worker_count
 from cpdpkit.profiler._reader import (
     DEFAULT_CHUNK_BYTES,
+    DEFAULT_LIMITS,
     StreamingNotPossible,
+    TraceLimits,
     events_start,
     meta_around,
     read_events,
@@ -48,6 +50,7 @@ __all__ = ["RankTrace", "load_trace", "rank_from_file_name", "rank_in_meta", "wo
 
 _NUMBER = (int, float)
 _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
+_MAX_TIME_US = 1e17  # Kineto's epoch microseconds are ~1.8e15; a bigger value makes 300-digit step times
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
@@ -401,6 +404,11 @@ class _Columns:
         self.thread_labels.update(other.thread_labels)
 
     def finish(self, meta: dict[str, Any], rank: int | None) -> RankTrace:
+        if self.ts and not (-_MAX_TIME_US < min(self.ts) and max(self.ts) < _MAX_TIME_US
+                            and max(self.dur) < _MAX_TIME_US):
+            worst = max((*self.ts, *self.dur), key=abs)
+            raise TraceFileError(self.path, f"a timestamp or duration of {worst:g} µs is not a time (they must stay "
+                                            f"below {_MAX_TIME_US:g} µs, about 3,000 years): the trace is corrupt")
         origin = min(self.ts) if self.ts else 0.0
         start, end = _relative(self.ts, self.dur, origin)
         thread_names = {
@@ -529,11 +537,12 @@ def _rank_of(meta: dict[str, Any], path: str) -> int | None:
 
 
 def load_trace(path: str | os.PathLike[str], *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-               parallel: bool = True) -> RankTrace:
+               parallel: bool = True, limits: TraceLimits = DEFAULT_LIMITS) -> RankTrace:
     """Load one rank's trace file (``.json`` or ``.json.gz``) into a :class:`RankTrace`.
 
     ``parallel``: decode a large uncompressed file (>= 48 MiB) on every core this process may
     use (forked workers, :mod:`cpdpkit.profiler._parallel`); the result is the same.
+    ``limits``: the most decompressed bytes and events one file may hold (:class:`TraceLimits`).
 
     Raises :class:`~cpdpkit.profiler.errors.TraceFileError` (one line: path and problem).
     """
@@ -542,26 +551,30 @@ def load_trace(path: str | os.PathLike[str], *, chunk_bytes: int = DEFAULT_CHUNK
         raise TraceFileError(path, "is a folder, expected a trace file")
     if not os.path.exists(path):
         raise TraceFileError(path, "no such file")
-    loaded = _load_parallel(path, chunk_bytes) if parallel else None
+    loaded = _load_parallel(path, chunk_bytes, limits) if parallel else None
     if loaded is not None:
         cols, meta = loaded
     else:
         cols = _Columns(path)
         try:
-            meta = read_events(path, cols.add, chunk_bytes=chunk_bytes, parse=decode_batch)
+            meta = read_events(path, cols.add, chunk_bytes=chunk_bytes, parse=decode_batch, limits=limits)
         except StreamingNotPossible:
             cols = _Columns(path)
-            meta = read_events_whole(path, cols.add)
+            meta = read_events_whole(path, cols.add, limits=limits)
+    if len(cols.ts) > limits.max_events:
+        raise limits.too_many_events(path)
     meta.pop("traceEvents", None)
     return cols.finish(meta, _rank_of(meta, path))
 
 
-def _decode_range(path: str, start: int, end: int, last: bool, chunk_bytes: int) -> tuple[_Columns, bytes]:
+def _decode_range(path: str, start: int, end: int, last: bool, chunk_bytes: int,
+                  limits: TraceLimits) -> tuple[_Columns, bytes]:
     cols = _Columns(path)
-    return cols, read_range(path, start, end, last, cols.add, chunk_bytes=chunk_bytes, parse=decode_batch)
+    return cols, read_range(path, start, end, last, cols.add, chunk_bytes=chunk_bytes, parse=decode_batch,
+                            limits=limits)
 
 
-def _load_parallel(path: str, chunk_bytes: int) -> tuple[_Columns, dict[str, Any]] | None:
+def _load_parallel(path: str, chunk_bytes: int, limits: TraceLimits) -> tuple[_Columns, dict[str, Any]] | None:
     """A large uncompressed file decoded in parts on several cores (:mod:`._parallel`); ``None``
     when it is not worth it or any part failed (the caller reads it on one core, which names
     a bad event exactly)."""
@@ -572,7 +585,8 @@ def _load_parallel(path: str, chunk_bytes: int) -> tuple[_Columns, dict[str, Any
     if start is None:
         return None
     ranges = split_events(path, start, workers)
-    parts = map_ranges(lambda *where: _decode_range(*where, chunk_bytes), path, ranges) if len(ranges) > 1 else None
+    work = lambda *where: _decode_range(*where, chunk_bytes, limits)  # noqa: E731
+    parts = map_ranges(work, path, ranges) if len(ranges) > 1 else None
     if parts is None:
         return None
     with open(path, "rb") as fh:

@@ -100,6 +100,13 @@ def job_numerics(rank: int, world: int, tmp: str) -> dict[str, Any]:
     out["local_numel"] = sum(p.to_local().numel() for p in ours.parameters())
     out["slowmo"] = [(t.numel(), t.dtype) for key in ("anchor", "slow_momentum")
                      for t in opt.state_dict()["cpdpkit"][key]]
+    # DiLoCo's outer step over the shards: its momentum is shard-sized too
+    dil = shard(make_model(), mesh["shard"])
+    opt_dil = PeriodicSyncOptimizer(adamw(dil), model=dil, group=replicate, strategy="cpdp", period=2,
+                                    outer_optimizer="diloco", timeout_s=60)
+    train(dil, opt_dil, rank, range(STEPS))
+    out["outer"] = [(t.numel(), t.dtype) for s in opt_dil.state_dict()["cpdpkit"]["outer"]["state"]
+                    for t in s.values()]
     # a checkpoint mid-period (step 3 of K=4, overlap in flight), resumed into fresh objects
     ckpt = Checkpointer(Path(tmp) / "ckpt", every=3, timeout_s=60)
     a = shard(make_model(), mesh["shard"])
@@ -194,11 +201,12 @@ def executor(rank: int, tmp: str, replicate: Any, sites: list[Any]) -> dict[str,
         ex2.wait_exchanges()
         out[key + "_params"] = full(ex2.model)
     out.update(partial_executor(rank, spec, config, site_mesh, cross))
+    # DiLoCo's outer step over the executor's slices (its momentum slice-sized), through a DCP checkpoint
     ckpt = Checkpointer(Path(tmp) / "ckpt-ex", every=3, timeout_s=60)
-    a, opt_a = build(overlap_steps=1)
+    a, opt_a = build(overlap_steps=1, outer_optimizer="diloco")
     train(a.model, opt_a, rank, range(3), 5)
     ckpt.save(3, model=a.model, optimizer=opt_a)
-    b, opt_b = build(overlap_steps=1)
+    b, opt_b = build(overlap_steps=1, outer_optimizer="diloco")
     out["ex_restored"] = ckpt.restore(model=b.model, optimizer=opt_b)
     out["ex_resumed_loss"] = train(b.model, opt_b, rank, range(3, STEPS), 5)
     opt_b.flush()
@@ -206,6 +214,8 @@ def executor(rank: int, tmp: str, replicate: Any, sites: list[Any]) -> dict[str,
     out["ex_straight_loss"] = train(a.model, opt_a, rank, range(3, STEPS), 5)
     opt_a.flush()
     out["ex_straight"] = full(a.model)
+    out["ex_outer"] = [(t.numel(), t.dtype) for s in opt_a.state_dict()["cpdpkit"]["outer"]["state"]
+                       for t in s.values()]
     return out
 
 

@@ -56,6 +56,11 @@ class Workload:
     buffers: str = "average"
     optimizer_state: str = "keep"
     overlap_steps: int = 0  # τ: the average of step n applied at min(n + τ, next reconciliation)
+    cpdp_order: str = "average-then-step"
+
+
+def _averages_first(w: Workload) -> bool:
+    return w.strategy == "cpdp" and w.cpdp_order == "average-then-step"
 
 
 def _reconciles(w: Workload, n: int) -> bool:
@@ -76,6 +81,9 @@ def simulate(w: Workload, world: int, schedulers: Callable | None = None) -> lis
     momentum = [torch.zeros_like(p) for p in anchor]
     lr_of = [gi for gi, g in enumerate(opts[0].param_groups) for _ in g["params"]]
     pending: dict | None = None  # an overlapped reconciliation: its means and what each rank had
+    if _averages_first(w):
+        _simulate_average_first(w, world, models, opts, scheds, params, anchor, momentum, lr_of)
+        return [[p.detach().clone() for p in ps] for ps in params]
     for n in range(1, w.steps + 1):
         for r in range(world):
             models[r].train()
@@ -109,6 +117,55 @@ def simulate(w: Workload, world: int, schedulers: Callable | None = None) -> lis
         for s in scheds:
             s.step()
     return [[p.detach().clone() for p in ps] for ps in params]
+
+
+def _backward(world, models, opts, n) -> None:
+    for r in range(world):
+        models[r].train()
+        opts[r].zero_grad()
+        x, y = batch(r, n)
+        nn.functional.mse_loss(models[r](x), y).backward()
+
+
+def _mean_grads(world, params) -> None:
+    for i in range(len(params[0])):
+        g = _mean([params[r][i].grad for r in range(world)])
+        for r in range(world):
+            params[r][i].grad = g.clone()
+
+
+def _simulate_average_first(w, world, models, opts, scheds, params, anchor, momentum, lr_of) -> None:
+    """cpdp, average-then-step: the average (and outer update) at the end of step n - 1, step n
+    synchronous; with τ >= 1 the synchronous step is the one after the late average is applied."""
+    sync_step = w.warmup_steps + 1 if _reconciles(w, w.warmup_steps + 1) else None
+    pending: dict | None = None
+    for n in range(1, w.steps + 1):
+        _backward(world, models, opts, n)
+        warm = n <= w.warmup_steps
+        if warm or n == sync_step:
+            _mean_grads(world, params)
+        for r in range(world):
+            opts[r].step()
+        with torch.no_grad():
+            if warm:
+                if w.batchnorm:
+                    _sync_buffers(w, world, models)
+            elif _reconciles(w, n + 1) and w.overlap_steps:
+                if pending is not None:  # the one in flight is applied first: the next step follows it
+                    _apply_late(w, world, models, opts, params, anchor, momentum, lr_of, pending)
+                    sync_step = n + 1
+                pending = _launch(w, world, models, params, n)
+            elif _reconciles(w, n + 1):
+                _reference_reconcile(w, world, models, opts, params, anchor, momentum, lr_of)
+                sync_step = n + 1
+            elif pending is not None and n >= pending["due"]:
+                _apply_late(w, world, models, opts, params, anchor, momentum, lr_of, pending)
+                pending = None
+                sync_step = n + 1
+            if n == w.warmup_steps:
+                anchor[:] = [p.detach().clone() for p in params[0]]
+        for s in scheds:
+            s.step()
 
 
 def _outer(w, opts, anchor, momentum, lr_of, i, xbar):

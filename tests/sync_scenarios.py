@@ -49,9 +49,10 @@ def run_workloads(rank: int, world: int, workloads: list[dict], hierarchical: bo
                     p.add_(1.0)
         opt = PeriodicSyncOptimizer(
             make_optimizer(w.optimizer, model), model=model, strategy=w.strategy,
-            period=w.period, warmup_steps=w.warmup_steps, slowmo_momentum=w.beta,
+            period=None if w.strategy == "ddp" else w.period, warmup_steps=w.warmup_steps, slowmo_momentum=w.beta,
             slowmo_lr=w.alpha, buffers=w.buffers, optimizer_state=w.optimizer_state,
             overlap_steps=w.overlap_steps, fast_group=groups[0], slow_group=groups[1], timeout_s=60,
+            cpdp_order=w.cpdp_order,
         )
         snaps: list = []
         _train(opt, model, rank, range(1, w.steps + 1), snaps)
@@ -287,8 +288,9 @@ def overlap_and_auto(rank: int, world: int, overlap: list[dict], auto_runs: list
     reconciliation in flight, and period="auto" runs."""
     return {
         "overlap": run_workloads(rank, world, overlap),
-        "checkpoint": [checkpoint_resume(rank, world, strategy=s, stop_at=5, total=12,
+        # stopped with an average in flight: cpdp (average-then-step) launches at 3, 6, ...; slowmo at 4, 7, ...
+        "checkpoint": [checkpoint_resume(rank, world, strategy=s, stop_at=stop, total=12,
                                          overlap_steps=2, batchnorm=bn)
-                       for s, bn in (("cpdp", False), ("slowmo", True))],
+                       for s, bn, stop in (("cpdp", False, 6), ("slowmo", True, 5))],
         "auto": auto_period(rank, world, auto_runs),
     }

@@ -110,6 +110,12 @@ def test_auto_k_run_reports_its_k_over_time(tmp_path):
         (["--topologies", "lan,moon"], "unknown topology 'moon' in --topologies: choose from lan, wan, wan-variable"),
         (["--k-min", "9"], "--k-min 9 is above --k-max 8: give k-min <= k-max, e.g. --k-min 1 --k-max 8"),
         (["--overlap-steps", "0"], "--overlap-steps must be an integer >= 1, got 0"),
+        (["--outer-optimizer", "Foo"], "--outer-optimizer 'Foo' is not a torch optimizer: pass slowmo, diloco or "
+                                       "the name of a torch.optim.Optimizer class, e.g. --outer-optimizer SGD"),
+        (["--outer-lr", "0.5"], "--outer-lr with --outer-optimizer slowmo: SlowMo's outer LR is --slowmo-lr"),
+        (["--lr", "0.1,0.2"], "--lr takes one value, got '0.1,0.2': the swept options are --periods, "
+                              "--slowmo-momentum and --outer-lr; run once per value of --lr"),
+        (["--slowmo-momentum", "0,x"], "--slowmo-momentum '0,x' is not a number or a comma-separated list of numbers"),
     ],
 )
 def test_bad_options_exit_2_with_one_line_before_anything_starts(args, message, tmp_path):
@@ -154,14 +160,17 @@ def test_help_documents_the_configs_defaults():
                   if isinstance(p.show_default, str)}
     quick = _bench_config(**{**_NONE, "quick": True, "dataset": None, "data_dir": None, "seeds": 1})
     config = BenchConfig()
-    assert documented.pop("strategies") == "all but slowmo-overlap" and config.strategies == DEFAULT_STRATEGIES
-    assert set(BENCH_STRATEGIES) - set(DEFAULT_STRATEGIES) == {"slowmo-overlap"}
+    assert documented.pop("strategies") == "all but slowmo-overlap and cpdp-step-then-average"
+    assert config.strategies == DEFAULT_STRATEGIES
+    assert set(BENCH_STRATEGIES) - set(DEFAULT_STRATEGIES) == {"slowmo-overlap", "cpdp-step-then-average"}
+    assert documented.pop("slowmo_momentum").startswith("by replicas: 0 below 8") and config.slowmo_momentum is None
+    assert documented.pop("outer_lr") == "diloco 0.7, a torch.optim class 1.0" and config.outer_lr is None
     assert documented.pop("periods") == ",".join(map(str, config.periods))
     assert documented.pop("max_divergence") == "no cap" and config.max_divergence is None
     assert documented == {name: str(getattr(config, name)) for name in documented}
     assert set(documented) == {"model", "dataset", "epochs", "batch_size", "lr", "world_size", "topology", "momentum",
-                               "slowmo_momentum", "slowmo_lr", "warmup_steps", "optimizer_state", "lr_schedule",
-                               "overlap_steps", "target_exposed_frac", "k_min", "k_max"}
+                               "slowmo_lr", "warmup_steps", "optimizer_state", "lr_schedule", "seeds",
+                               "overlap_steps", "target_exposed_frac", "k_min", "k_max", "outer_optimizer"}
     quick_doc = {p.name: str(p.show_default).split("--quick:")[1].strip() for p in bench.params
                  if isinstance(p.show_default, str) and "--quick:" in p.show_default}
     assert quick_doc == {"strategies": ",".join(quick.strategies), "periods": ",".join(map(str, quick.periods)),

@@ -175,7 +175,7 @@ def test_run_spec_carries_augment_and_max_images_and_reads_older_specs():
 
 
 def test_augment_and_max_images_are_validated_before_anything_starts():
-    for name in set(DATASETS) - set(IMAGE_DATASETS):  # data sets that hold no images (character ids)
+    for name in set(DATASETS) - {*IMAGE_DATASETS, "mnist1d"}:  # no images, no sequences (mnist1d shifts)
         with pytest.raises(ConfigError) as info:
             BenchConfig(dataset=name, augment=True)
         assert str(info.value) == (f"--augment crops and flips images, and --dataset {name} holds none: "
@@ -271,7 +271,7 @@ def test_paper_preset_settings(tmp_path):
     assert _resolve(data_dir=data) == BenchConfig(
         model="resnet50-cifar", dataset="cifar100", data_dir=data, lr=0.1, lr_schedule="constant", momentum=0.9,
         batch_size=128, epochs=200, periods=(2, 4), topology="wan", augment=True)
-    assert set(PRESETS) == {"paper"}
+    assert set(PRESETS) == {"paper", "mnist1d"}
 
 
 def test_options_given_override_the_preset_which_overrides_the_defaults(tmp_path):
@@ -329,7 +329,7 @@ _NO_TINY = ("--preset paper reads TinyImageNet from disk and downloads nothing: 
      "--data-dir '{empty}' holds no TinyImageNet (looked for tiny-imagenet-200/train/<wnid>/images/*.JPEG with "
      "val/images/*.JPEG and val/val_annotations.txt, or an ImageFolder train/<class>/*, val/<class>/*): extract "
      "tiny-imagenet-200.zip there"),
-    (["--preset", "papr"], "unknown preset 'papr': choose one of paper"),
+    (["--preset", "papr"], "unknown preset 'papr': choose one of paper, mnist1d"),
 ])
 def test_bad_preset_input_is_one_exact_line_and_exit_2(args, message, tmp_path):
     empty, work = tmp_path / "empty", tmp_path / "work"

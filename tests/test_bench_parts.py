@@ -98,7 +98,7 @@ def test_models_build_for_each_input():
         ({"periods": (0,)}, "period K must be an integer >= 1, got 0: e.g. --periods 2,4"),
         ({"strategies": ("ddp", "fedavg")}, "unknown strategy 'fedavg': choose from ddp, "
                                             "localsgd-torch, localsgd, slowmo, cpdp, cpdp-overlap, cpdp-auto, "
-                                            "slowmo-overlap"),
+                                            "slowmo-overlap, cpdp-step-then-average"),
         # the lists are whatever the bench offers; the message's form is what is pinned here
         ({"model": "gpt9"}, f"unknown model 'gpt9': choose one of {', '.join(MODELS)}"),
         ({"dataset": "mnist"}, f"unknown dataset 'mnist': choose one of {', '.join(DATASETS)}"),

@@ -182,7 +182,11 @@ def test_docs_tables_defaults_are_bench_configs():
 def test_defaults_are_sgd_with_momentum_and_reach_every_run():
     config = BenchConfig()
     assert (config.momentum, config.slowmo_momentum, config.slowmo_lr, config.warmup_steps,
-            config.optimizer_state, config.lr_schedule) == (0.9, 0.5, 1.0, 0, "keep", "constant")
+            config.optimizer_state, config.lr_schedule) == (0.9, None, 1.0, 0, "keep", "constant")
+    # β by replicas: 0 below 8 (measured at 2 and 4), fairscale's 0.5 at 8 and 0.6 at 16 and more
+    assert [BenchConfig(world_size=n).betas for n in (2, 4, 6, 8, 16, 32)] == [
+        (0.0,), (0.0,), (0.0,), (0.5,), (0.6,), (0.6,)]
+    assert [s.slowmo_momentum for s in BenchConfig(world_size=8, strategies=("cpdp",), periods=(4,)).runs()] == [0.5]
     runs = BenchConfig(strategies=("ddp", "cpdp"), periods=(4,), momentum=0.5, slowmo_momentum=0.7,
                        slowmo_lr=0.8, warmup_steps=3, optimizer_state="reset", lr_schedule="step").runs()
     for spec in runs:
@@ -201,8 +205,10 @@ def test_defaults_are_sgd_with_momentum_and_reach_every_run():
                                     "e.g. --lr-schedule cosine"),
         ({"optimizer_state": "sync"}, "--optimizer-state 'sync' is not one of keep, average, reset: "
                                       "e.g. --optimizer-state keep"),
-        ({"slowmo_momentum": 1.0}, "--slowmo-momentum must be in [0, 1), got 1.0: SlowMo's β is usually "
-                                   "0.5-0.8, e.g. --slowmo-momentum 0.5"),
+        ({"slowmo_momentum": 1.0}, "--slowmo-momentum must be in [0, 1), got 1.0: SlowMo's β, e.g. "
+                                   "--slowmo-momentum 0.2 (or a list to sweep: 0,0.2,0.5)"),
+        ({"slowmo_momentum": (0.0, 1.5)}, "--slowmo-momentum must be in [0, 1), got 1.5: SlowMo's β, e.g. "
+                                          "--slowmo-momentum 0.2 (or a list to sweep: 0,0.2,0.5)"),
         ({"slowmo_lr": 0.0}, "--slowmo-lr must be > 0, got 0.0: e.g. --slowmo-lr 1.0 (SlowMo's default α)"),
         ({"warmup_steps": -1}, "--warmup-steps must be an integer >= 0, got -1: e.g. --warmup-steps 0 for no "
                                "warm-up"),
@@ -301,3 +307,19 @@ def test_every_bench_strategy_gets_the_schedule_and_ours_the_sync_options(planne
         assert (config["slowmo_momentum"], config["slowmo_lr"], config["warmup_steps"],
                 config["optimizer_state"]) == (0.6, 0.7, 2, "average")
     assert res["ddp"]["config"] is None and res["localsgd-torch"]["config"] is None
+
+
+def test_swept_slowmo_momentum_and_outer_lr_run_every_point_and_group_apart():
+    config = BenchConfig(strategies=("ddp", "localsgd", "cpdp"), periods=(2, 4), slowmo_momentum=(0.0, 0.5))
+    assert [s.label for s in config.runs()] == ["ddp", "localsgd K=2", "localsgd K=4", "cpdp K=2 β=0", "cpdp K=2 β=0.5",
+                                                "cpdp K=4 β=0", "cpdp K=4 β=0.5"]
+    assert [s.slowmo_momentum for s in config.runs() if s.strategy == "cpdp"] == [0.0, 0.5, 0.0, 0.5]
+    assert config.to_dict()["slowmo_momentum"] == [0.0, 0.5]
+    diloco = BenchConfig(strategies=("cpdp",), periods=(4,), outer_optimizer="diloco", outer_lr=(0.5, 0.7))
+    assert [(s.label, s.outer_lr) for s in diloco.runs()] == [("cpdp K=4 outer lr=0.5", 0.5),
+                                                              ("cpdp K=4 outer lr=0.7", 0.7)]
+    runs = [{"spec": {"strategy": "cpdp", "period": 4, "seed": 0, "variant": v}, "status": "failed", "reason": "x"}
+            for v in ("β=0", "β=0.5")]
+    report = aggregate(config.to_dict(), runs)
+    assert [r.label for r in report.results] == ["cpdp K=4 β=0", "cpdp K=4 β=0.5"]
+    assert [r.to_dict()["variant"] for r in report.results] == ["β=0", "β=0.5"]

@@ -92,6 +92,12 @@ def test_sync_options_of_each_bench_strategy():
     assert sync_options("cpdp", 4, **kw) == {"strategy": "cpdp", "period": 4}
     assert sync_options("cpdp-overlap", 4, **kw) == {"strategy": "cpdp", "period": 4, "overlap_steps": 2}
     assert sync_options("slowmo-overlap", 2, **kw) == {"strategy": "slowmo", "period": 2, "overlap_steps": 2}
+    assert sync_options("cpdp-step-then-average", 4, **kw) == {"strategy": "cpdp", "period": 4,
+                                                               "cpdp_order": "step-then-average"}
+    outer = {**kw, "outer_optimizer": "diloco", "outer_lr": None}
+    assert sync_options("cpdp-overlap", 4, **outer) == {"strategy": "cpdp", "period": 4, "overlap_steps": 2,
+                                                        "outer_optimizer": "diloco", "outer_lr": None}
+    assert sync_options("localsgd", 4, **outer) == {"strategy": "localsgd", "period": 4}  # no outer step
     assert sync_options("cpdp-auto", None, **kw) == {"strategy": "cpdp", "period": "auto", "target_exposed_frac": 0.2,
                                                      "k_min": 1, "k_max": 8, "max_divergence": None}
 

@@ -116,7 +116,8 @@ def _message(target: str, case_name: str) -> str:
                                           "fix the syntax"),
     ("topology", "ranks-per-node-400-digits", "/topo.toml: ranks_per_node = 1000000000000000000000000000..."
                                              "0000000000000000000000000000 (401 characters) is too large; set it "
-                                             "to a whole number <= 2147483647"),
+                                             "to a whole number <= 1,048,576 (the most ranks cpdpkit plans or "
+                                             "emulates: its work grows with the ranks)"),
     ("topology", "description-is-a-list", "/topo.toml: topology 'wan': description = [1] is invalid; make it a string"),
     ("plan", "topology-missing", "/plan.json: plan field 'topology' is missing; re-run cpdpkit plan"),
     ("plan", "arrays-nested-2000-deep", "/plan.json: not valid JSON (arrays or objects nested too deeply); pass "

@@ -39,6 +39,8 @@ pytestmark = pytest.mark.timeout(120)
                                 "let only the exposed-time target choose K"),
         ({"strategy": "fedavg"}, "unknown strategy 'fedavg': choose one of ddp, localsgd, "
                                  "slowmo, cpdp"),
+        ({"cpdp_order": "average"}, "unknown cpdp_order 'average': choose one of average-then-step, "
+                                    "step-then-average"),
         ({"warmup_steps": -1}, "warmup_steps must be an integer >= 0, got -1: pass 0 for no "
                                "warm-up"),
         ({"slowmo_momentum": 1.0}, "slowmo_momentum must be in [0, 1), got 1.0: SlowMo's β is "
@@ -65,6 +67,13 @@ def test_schedule_arithmetic():
     lsgd = SyncConfig(strategy="localsgd", period=4, warmup_steps=2)
     assert not lsgd.syncs_gradients(6) and lsgd.averages_parameters(6)
     assert all(SyncConfig(strategy="ddp").syncs_gradients(n) for n in range(1, 5))
+    # cpdp, average-then-step: averaged at the end of the step before each synchronous step
+    assert [n for n in range(1, 11) if cfg.averages_parameters(n)] == [5, 9]
+    old = SyncConfig(strategy="cpdp", period=4, warmup_steps=2, cpdp_order="step-then-average")
+    assert [n for n in range(1, 11) if old.averages_parameters(n)] == [6, 10]
+    # K = 1: no average at the end of warm-up (the replicas are identical there)
+    k1 = SyncConfig(strategy="cpdp", period=1, warmup_steps=2)
+    assert [n for n in range(1, 6) if k1.averages_parameters(n)] == [3, 4, 5]
 
 
 def test_errors_without_process_group():

@@ -53,7 +53,7 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, sched=Non
 # -- construction: one source of defaults (no process group needed: refused before any) ----
 KNOWN = ("strategy, period, warmup_steps, slowmo_momentum, slowmo_lr, buffers, "
          "optimizer_state, bucket_cap_mb, timeout_s, overlap_steps, target_exposed_frac, k_min, "
-         "k_max, max_divergence, check_replicas")
+         "k_max, max_divergence, check_replicas, cpdp_order, outer_optimizer, outer_lr, outer_momentum")
 
 
 def test_unknown_keyword_is_one_line_naming_it_and_the_fields():
@@ -95,7 +95,9 @@ def test_config_and_keyword_forms_give_equal_config(world1):
         "strategy": "slowmo", "period": 3, "warmup_steps": 2, "slowmo_momentum": 0.5,
         "slowmo_lr": 1.0, "buffers": "average", "optimizer_state": "keep",
         "bucket_cap_mb": 25.0, "timeout_s": 30, "overlap_steps": 0, "target_exposed_frac": 0.05,
-        "k_min": 1, "k_max": 8, "max_divergence": None, "check_replicas": False}
+        "k_min": 1, "k_max": 8, "max_divergence": None, "check_replicas": False,
+        "cpdp_order": "average-then-step", "outer_optimizer": "slowmo", "outer_lr": None,
+        "outer_momentum": None}
     plain = PeriodicSyncOptimizer(torch.optim.SGD(m3.parameters(), lr=0.1), model=m3)
     assert plain.config == SyncConfig()  # the defaults are SyncConfig's
 
@@ -230,11 +232,12 @@ def test_state_dict_is_torch_standard_plus_cpdpkit(world1):
     sd = opt.state_dict()
     assert sorted(sd) == ["cpdpkit", "param_groups", "state"]
     own = sd["cpdpkit"]
-    assert sorted(own) == ["anchor", "config", "counts", "decisions", "in_flight", "layout",
-                           "schedule", "slow_momentum", "step", "version"]
+    assert sorted(own) == ["anchor", "config", "counts", "decisions", "in_flight", "layout", "outer",
+                           "schedule", "slow_momentum", "step", "sync_step", "version"]
+    assert own["outer"] is None  # SlowMo's state is anchor and slow_momentum
     assert own["in_flight"] is None and own["decisions"] == []
     assert own["schedule"] == {"period": 3, "last_reconcile": 3, "gap": 3}
-    assert own["version"] == 3 and own["step"] == 4
+    assert own["version"] == 4 and own["step"] == 4 and own["sync_step"] == 3  # averaged after step 2
     assert own["counts"] == {"local_steps": 3, "reconciliations": 1, "gradient_syncs": 1}
     assert own["layout"] == [[32, 8, 16, 2]] and own["config"] == opt.config.to_dict()
     plain = inner.state_dict()
@@ -318,21 +321,47 @@ def test_load_state_dict_refusals(world1):
     with pytest.raises(ConfigError) as info:
         opt.load_state_dict({**sd, "cpdpkit": {**sd["cpdpkit"], "version": 9}})
     assert str(info.value) == (
-        "checkpoint has cpdpkit state version 9, this cpdpkit reads 1 to 3: load it with the "
+        "checkpoint has cpdpkit state version 9, this cpdpkit reads 1 to 4: load it with the "
         "cpdpkit version that saved it")
     assert opt.step_count == 2  # nothing was loaded by a refused call
 
 
+def _as_old_version(sd: dict, version: int) -> dict:
+    """A checkpoint as cpdpkit wrote it before cpdp_order (state versions 1-3): no cpdp_order in the
+    config, no sync_step; version 1 nested the inner state under "inner"."""
+    own = {k: v for k, v in sd["cpdpkit"].items() if k != "sync_step"}
+    own["config"] = {k: v for k, v in own["config"].items() if k != "cpdp_order"}
+    own["version"] = version
+    if version == 1:
+        return {"inner": {"state": sd["state"], "param_groups": sd["param_groups"]}, "cpdpkit": own}
+    return {"state": sd["state"], "param_groups": sd["param_groups"], "cpdpkit": own}
+
+
 def test_version_1_checkpoint_still_loads(world1):
-    model, _, opt = _wrapped(strategy="cpdp", period=2)
+    old = {"cpdp_order": "step-then-average"}  # the order versions 1-3 were written by
+    model, _, opt = _wrapped(strategy="cpdp", period=2, **old)
     _train(model, opt, range(1, 4))
     sd = opt.state_dict()
-    v1 = {"inner": {"state": sd["state"], "param_groups": sd["param_groups"]},
-          "cpdpkit": {**sd["cpdpkit"], "version": 1}}
-    _, _, fresh = _wrapped(strategy="cpdp", period=2)
-    fresh.load_state_dict(v1)
+    _, _, fresh = _wrapped(strategy="cpdp", period=2, **old)
+    fresh.load_state_dict(_as_old_version(sd, 1))
     assert fresh.step_count == 3
     assert torch.equal(fresh.state_dict()["cpdpkit"]["anchor"][0], sd["cpdpkit"]["anchor"][0])
+
+
+def test_a_cpdp_checkpoint_from_before_cpdp_order_is_refused_in_one_line_or_loads_in_its_order(world1):
+    model, _, opt = _wrapped(strategy="cpdp", period=2, cpdp_order="step-then-average")
+    _train(model, opt, range(1, 4))
+    v3 = _as_old_version(opt.state_dict(), 3)
+    _, _, fresh = _wrapped(strategy="cpdp", period=2)
+    with pytest.raises(ConfigError) as info:
+        fresh.load_state_dict(v3)
+    assert str(info.value) == (
+        "checkpoint was saved by cpdp with cpdp_order='step-then-average', this optimizer uses "
+        "'average-then-step': construct it with cpdp_order='step-then-average' to resume it")
+    assert fresh.step_count == 0
+    _, _, same_order = _wrapped(strategy="cpdp", period=2, cpdp_order="step-then-average")
+    same_order.load_state_dict(v3)
+    assert same_order.step_count == 3 and same_order.next_step_kind().value == "reconcile"  # 4 = 2·2
 
 
 def test_distributed_checkpoint_reads_the_standard_part(world1):

@@ -121,12 +121,20 @@ def test_schedule_equals_the_fixed_period_arithmetic():
 
 
 # -- real ranks ------------------------------------------------------------------------------------
+OLD_ORDER = {"cpdp_order": "step-then-average"}
 AUTO_RUNS = [
-    {"target_exposed_frac": 0.01, "k_max": 4},  # time-bound: K doubles to k_max
-    {"target_exposed_frac": 0.01, "k_max": 4, "overlap_steps": 1},
+    {"target_exposed_frac": 0.01, "k_max": 4, **OLD_ORDER},  # time-bound: K doubles to k_max
+    {"target_exposed_frac": 0.01, "k_max": 4, "overlap_steps": 1, **OLD_ORDER},
     # divergence-bound: K stays 1 (localsgd: at K=1 cpdp's gradient all-reduce leaves no divergence)
     {"strategy": "localsgd", "target_exposed_frac": 0.01, "k_max": 4, "max_divergence": 1e-9},
+    # average-then-step: each decision is taken at the average, one step before its reconciliation
+    {"target_exposed_frac": 0.01, "k_max": 4},
+    {"target_exposed_frac": 0.01, "k_max": 4, "overlap_steps": 1},
 ]
+
+
+def _averages_first(options: dict) -> bool:
+    return options.get("strategy", "cpdp") == "cpdp" and options.get("cpdp_order") != "step-then-average"
 
 
 # one 2-rank call for everything below, on the session's one pair of spawned ranks (tests/conftest.py
@@ -162,9 +170,9 @@ def test_overlap_keeps_local_progress_so_replicas_differ():
 
 
 def test_checkpoint_with_a_reconciliation_in_flight_resumes_bit_identically(results):
-    for per_strategy in zip(*(r["checkpoint"] for r in results)):
+    for per_strategy, stop in zip(zip(*(r["checkpoint"] for r in results)), (6, 5), strict=True):
         for res in per_strategy:
-            assert res["saved_in_flight"] and res["saved_step"] == 5 and res["step"] == 12
+            assert res["saved_in_flight"] and res["saved_step"] == stop and res["step"] == 12
             assert all(torch.equal(a, b) for a, b in zip(res["straight"], res["resumed"], strict=True))
 
 
@@ -180,11 +188,13 @@ def test_auto_ranks_agree_and_the_schedule_follows_the_decisions(results):
         decisions = mine["stats"]["period_decisions"]
         steps = _reconcile_steps(mine["kinds"])
         lag = 1 if options.get("overlap_steps") else 0  # overlapped: decided one period later
-        periods = [1] * (1 + lag) + [d["period"] for d in decisions]
+        # average-then-step: step 1 (K = k_min = 1) starts from the broadcast's consensus, undecided
+        ahead = 1 if _averages_first(options) else 0
+        periods = [1] * (1 + lag + ahead) + [d["period"] for d in decisions]
         assert steps[0] == 1
         for i in range(1, len(steps)):
             assert steps[i] - steps[i - 1] == periods[i], (options, steps, periods)
-        assert [d["step"] for d in decisions] == steps[: len(decisions)]
+        assert [d["step"] + ahead for d in decisions] == steps[ahead : ahead + len(decisions)]
         cfg = SyncConfig(period="auto", **{k: v for k, v in options.items() if k != "strategy"})
         previous = None
         for d in decisions:  # the recorded numbers give the recorded K under the documented rule

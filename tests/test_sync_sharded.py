@@ -54,6 +54,7 @@ def test_only_shards_cross_the_replicate_group_and_slowmo_state_is_shard_sized(r
     for r in ranks:
         assert r["local_numel"] == total // 2
         assert r["slowmo"] == [(r["local_numel"], torch.float32)] * 2  # anchor, slow momentum
+        assert r["outer"] == [(r["local_numel"], torch.float32)]  # DiLoCo's momentum buffer
         stats = r["stats"]  # 6 steps, warm-up 1, K=4: step 1 syncs gradients, step 5 reconciles
         assert (stats.gradient_syncs, stats.reconciliations, stats.local_steps) == (2, 1, 4)
         assert stats.bytes_sent == 3 * r["local_numel"] * 4  # two gradient shards, one parameter shard
@@ -115,9 +116,10 @@ def test_cpdp_over_a_two_stage_executor_per_site_equals_the_plain_path(ranks: li
             "(PeriodicSyncOptimizer(executor.optimizer, model=executor, ...))",
         ]
         assert r["ex_contract"] == (True, True)  # the real pair satisfies the written contract, both ways
-        assert r["ex_restored"] == 3
+        assert r["ex_restored"] == 3  # with DiLoCo's outer step: its momentum is slice-sized and resumes
         assert r["ex_resumed_loss"] == r["ex_straight_loss"]
         assert _same(r["ex_resumed"], r["ex_straight"])
+        assert r["ex_outer"] == [(r["ex_slice_numel"], torch.float32)]
 
 
 def test_cpdp_over_a_partial_shard_executor_per_site_equals_the_plain_path(ranks: list[dict]) -> None:

@@ -123,7 +123,7 @@ def _seed_run(strategy: str, period: int | None, *, acc: float, wall: float, exp
 def _bench_json(tmp_path: Path) -> Path:
     config = {"strategies": ["ddp", "cpdp", "localsgd-torch"], "periods": [4], "model": "char-mlp",
               "dataset": "stdlib-text", "data_dir": None, "epochs": 2, "batch_size": 128, "lr": 0.1, "momentum": 0.9,
-              "slowmo_momentum": 0.5,
+              "slowmo_momentum": 0.0,
               "world_size": 2, "topology": "wan", "seeds": 1, "quick": False, "profile_dir": None}
     runs = [_seed_run("ddp", None, acc=0.975, wall=10.0, exposed=0.018, nbytes=153_100.0, colls=1.0),
             _seed_run("localsgd-torch", 4, acc=0.97, wall=3.0, exposed=0.0045, nbytes=38_275.0, colls=0.25),

@@ -66,7 +66,7 @@ COMPONENTS: dict[str, tuple[int, tuple[str, ...]]] = {
     # injected faults as data (the topology's [faults] table; the emulator applies them)
     "faults": (1, ("cpdpkit.faults",)),
     # the one bounded UTF-8 reader of user files (topology, plan, annotations)
-    "files": (1, ("cpdpkit._text_file",)),
+    "files": (1, ("cpdpkit._text_file", "cpdpkit._outputs")),
     "topology": (2, ("cpdpkit.topology",)),
     # _env holds the emulator's environment variable outside the package so that reading it
     # does not run cpdpkit/emulator/__init__ (which imports torch)
@@ -79,7 +79,7 @@ COMPONENTS: dict[str, tuple[int, tuple[str, ...]]] = {
     "shard": (4, ("cpdpkit.shard",)),
     "bench": (5, ("cpdpkit.bench",)),
     # checkpoint saves what sync's optimizer and shard's executors hold (and is used by bench)
-    "checkpoint": (5, ("cpdpkit.checkpoint",)),
+    "checkpoint": (5, ("cpdpkit.checkpoint", "cpdpkit._checkpoint_files")),
     # _child is the per-rank entry point torchrun runs for cpdpkit.launch
     "launch": (5, ("cpdpkit.launch", "cpdpkit._child")),
     "cli": (6, ("cpdpkit.cli",)),
@@ -93,7 +93,7 @@ PROFILER_MAY_IMPORT = ("cpdpkit", "errors", "labels", "network", "topology", "pr
 
 TORCH_FREE = (
     "cpdpkit", "cpdpkit.errors", "cpdpkit.labels", "cpdpkit.contracts", "cpdpkit._values", "cpdpkit.network",
-    "cpdpkit.faults", "cpdpkit._text_file", "cpdpkit.topology", "cpdpkit._env", "cpdpkit.planner.*",
+    "cpdpkit.faults", "cpdpkit._text_file", "cpdpkit._outputs", "cpdpkit.topology", "cpdpkit._env", "cpdpkit.planner.*",
     "cpdpkit.launch", "cpdpkit.cli.*", "cpdpkit.profiler.*",
 )
 TORCH_PACKAGES = ("torch", "torchvision", "torchaudio", "functorch")

@@ -9,26 +9,41 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from cpdpkit._values import is_int
+from cpdpkit._values import is_int, refuse_nonfinite
 from cpdpkit.bench.augment import IMAGE_DATASETS
 from cpdpkit.bench.data import DATASETS, find_cifar100
 from cpdpkit.bench.faults import CHECKPOINT_EVERY, parse_fault
 from cpdpkit.bench.image_folders import find_tiny_imagenet
+from cpdpkit.bench.mnist1d import check_mnist1d
 from cpdpkit.bench.models import check_model_available
 from cpdpkit.bench.text import check_corpus
 from cpdpkit.errors import ConfigError
-from cpdpkit.sync.config import STATE_POLICIES
+from cpdpkit.sync.config import OUTER_OPTIMIZERS, STATE_POLICIES, is_torch_optimizer_name
 from cpdpkit.topology import PRESETS
 
-__all__ = ["BENCH_STRATEGIES", "DEFAULT_STRATEGIES", "LR_SCHEDULES", "PERIODIC", "BenchConfig", "RunSpec"]
+__all__ = ["BENCH_STRATEGIES", "DEFAULT_STRATEGIES", "LR_SCHEDULES", "OUTER_STEP", "PERIODIC", "BenchConfig", "RunSpec",
+           "slowmo_beta_for"]
 
-# every strategy the bench knows; the default runs all but slowmo-overlap
+# every strategy the bench knows; the default runs all but slowmo-overlap and cpdp-step-then-average
+# (cpdp with cpdp_order="step-then-average": the synchronous step, then the average)
 BENCH_STRATEGIES = ("ddp", "localsgd-torch", "localsgd", "slowmo", "cpdp", "cpdp-overlap", "cpdp-auto",
-                    "slowmo-overlap")
-DEFAULT_STRATEGIES = BENCH_STRATEGIES[:-1]
+                    "slowmo-overlap", "cpdp-step-then-average")
+DEFAULT_STRATEGIES = BENCH_STRATEGIES[:-2]
 # run at every K of --periods; cpdp-auto picks its own K (period None)
-PERIODIC = ("localsgd-torch", "localsgd", "slowmo", "cpdp", "cpdp-overlap", "slowmo-overlap")
+PERIODIC = ("localsgd-torch", "localsgd", "slowmo", "cpdp", "cpdp-overlap", "slowmo-overlap",
+            "cpdp-step-then-average")
 LR_SCHEDULES = ("constant", "cosine", "step")  # built by cpdpkit.bench.strategies.build_lr_scheduler
+# the strategies with an outer step: swept over --slowmo-momentum and --outer-lr
+OUTER_STEP = ("slowmo", "cpdp", "cpdp-overlap", "cpdp-auto", "slowmo-overlap", "cpdp-step-then-average")
+# β by replicas. fairscale's SlowMo table (by nodes, at K=48) says 0 below 4, 0.2 at 4, 0.5 at 8, 0.6 at 16+;
+# measured here at K=4, 4 replicas on mnist1d (docs/results.md, "β x K"): β=0 beat 0.2 (1 seed) and 0.5
+# (3 seeds; issue 23 saw the same at 2 replicas), so 0 below 8; 8 and 16 are fairscale's, not measured here
+_SLOWMO_BETAS = ((16, 0.6), (8, 0.5), (1, 0.0))
+
+
+def slowmo_beta_for(replicas: int) -> float:
+    """SlowMo's β for ``replicas`` replicas (the bench's default --slowmo-momentum; :data:`_SLOWMO_BETAS`)."""
+    return next(beta for least, beta in _SLOWMO_BETAS if is_int(replicas) and replicas >= least)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,10 +78,14 @@ class RunSpec:
     topology: str | None = None  # None: the config's --topology (spec.json files from before --topologies)
     fault: str | None = None  # --inject-fault (cpdpkit.bench.faults); None: no fault
     checkpoint_every: int | None = None  # checkpoint into RUN_DIR/ckpt every N steps (None: no checkpoints)
+    variant: str | None = None  # the point of a swept --slowmo-momentum / --outer-lr ("β=0.2"); None: no sweep
+    outer_optimizer: str = "slowmo"  # the outer step of slowmo and cpdp (cpdpkit.sync._outer)
+    outer_lr: float | None = None
 
     @property
     def label(self) -> str:
-        return self.strategy if self.period is None else f"{self.strategy} K={self.period}"
+        base = self.strategy if self.period is None else f"{self.strategy} K={self.period}"
+        return base if self.variant is None else f"{base} {self.variant}"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -94,8 +113,12 @@ class BenchConfig:
     batch_size: int = 128
     lr: float = 0.1
     momentum: float = 0.9
-    slowmo_momentum: float = 0.5
+    # SlowMo's β: one value, a tuple (swept like periods), or None: by the number of replicas (slowmo_beta_for)
+    slowmo_momentum: float | tuple[float, ...] | None = None
     slowmo_lr: float = 1.0
+    outer_optimizer: str = "slowmo"  # slowmo | diloco | a torch.optim class name (slowmo and cpdp)
+    # of an outer optimizer other than slowmo (None: diloco 0.7, a class 1.0); a tuple is swept
+    outer_lr: float | tuple[float, ...] | None = None
     warmup_steps: int = 0
     optimizer_state: str = "keep"
     lr_schedule: str = "constant"
@@ -115,6 +138,7 @@ class BenchConfig:
     inject_fault: str | None = None  # kill:rank=R:step=S: each run killed once, restarted, compared (bench.faults)
 
     def __post_init__(self) -> None:
+        refuse_nonfinite(self, ConfigError, options=True)
         for s in self.strategies:
             if s not in BENCH_STRATEGIES:
                 raise ConfigError(
@@ -138,7 +162,7 @@ class BenchConfig:
         if self.max_images is not None and (isinstance(self.max_images, bool) or not isinstance(self.max_images, int)
                                             or self.max_images < 1):
             raise ConfigError(f"max_images must be an integer >= 1 or None, got {self.max_images!r}: e.g. 64")
-        if self.augment and self.dataset not in IMAGE_DATASETS:
+        if self.augment and self.dataset not in (*IMAGE_DATASETS, "mnist1d"):
             raise ConfigError(f"--augment crops and flips images, and --dataset {self.dataset} holds none: "
                               "pass --no-augment")
         check_model_available(self.model)
@@ -199,8 +223,16 @@ class BenchConfig:
             raise ConfigError(f"--topologies names {', '.join(repeated)} more than once: list each topology once")
 
     def _check_model_fits_data(self) -> None:
-        """Character ids and images need different models: refuse a mismatch before any launch."""
-        if self.dataset == "stdlib-text":
+        """Character ids, 1-D sequences and images need different models: refuse a mismatch before any launch."""
+        if self.dataset == "mnist1d":
+            check_mnist1d()  # not installed: one line now, before any rank starts
+            if self.model != "cnn1d":
+                raise ConfigError(f"--model {self.model} does not read 1-D sequences, which --dataset mnist1d holds: "
+                                  "use --model cnn1d (or --preset mnist1d)")
+        elif self.model == "cnn1d":
+            raise ConfigError(f"--model cnn1d reads 1-D sequences, but --dataset {self.dataset} holds none: "
+                              "use --dataset mnist1d (or --preset mnist1d)")
+        elif self.dataset == "stdlib-text":
             check_corpus()  # a missing corpus file: one line now, not a failed run later
             if self.model != "char-mlp":
                 raise ConfigError(f"--model {self.model} needs images, but --dataset stdlib-text holds character "
@@ -209,11 +241,35 @@ class BenchConfig:
             raise ConfigError(f"--model char-mlp reads character ids, but --dataset {self.dataset} holds images: "
                               "use --model cnn (or --dataset stdlib-text)")
 
+    @property
+    def betas(self) -> tuple[float, ...]:
+        """SlowMo's β values to run: the given ones, else the one for ``world_size`` replicas."""
+        if self.slowmo_momentum is None:
+            return (slowmo_beta_for(self.world_size),)
+        return self.slowmo_momentum if isinstance(self.slowmo_momentum, tuple) else (self.slowmo_momentum,)
+
+    @property
+    def outer_lrs(self) -> tuple[float | None, ...]:
+        return self.outer_lr if isinstance(self.outer_lr, tuple) else (self.outer_lr,)
+
     def _check_sync_options(self) -> None:
-        if not 0.0 <= self.slowmo_momentum < 1.0:
-            raise ConfigError(f"--slowmo-momentum must be in [0, 1), got {self.slowmo_momentum!r}: "
-                              "SlowMo's β is usually 0.5-0.8, e.g. --slowmo-momentum 0.5")
+        for beta in self.betas:
+            if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
+                raise ConfigError(f"--slowmo-momentum must be in [0, 1), got {beta!r}: SlowMo's β, e.g. "
+                                  "--slowmo-momentum 0.2 (or a list to sweep: 0,0.2,0.5)")
+        if not self.betas or not self.outer_lrs:
+            raise ConfigError("--slowmo-momentum / --outer-lr is empty: give a value, or leave it out")
         _positive("--slowmo-lr", self.slowmo_lr, "e.g. --slowmo-lr 1.0 (SlowMo's default α)")
+        name = self.outer_optimizer
+        if not isinstance(name, str) or (name not in OUTER_OPTIMIZERS and not is_torch_optimizer_name(name)):
+            raise ConfigError(f"--outer-optimizer {name!r} is not a torch optimizer: pass slowmo, diloco or the name "
+                              "of a torch.optim.Optimizer class, e.g. --outer-optimizer SGD")
+        if self.outer_lr is not None:
+            if name == "slowmo":
+                raise ConfigError("--outer-lr with --outer-optimizer slowmo: SlowMo's outer LR is --slowmo-lr; "
+                                  "pass that, or --outer-optimizer diloco")
+            for value in self.outer_lrs:
+                _positive("--outer-lr", value, "e.g. --outer-lr 0.7 (DiLoCo's), or a list to sweep: 0.5,0.7")
         if not isinstance(self.warmup_steps, int) or isinstance(self.warmup_steps, bool) or self.warmup_steps < 0:
             raise ConfigError(f"--warmup-steps must be an integer >= 0, got {self.warmup_steps!r}: "
                               "e.g. --warmup-steps 0 for no warm-up")
@@ -225,31 +281,45 @@ class BenchConfig:
                 raise ConfigError(f"{flag} {value!r} is not one of {', '.join(choices)}: e.g. {flag} {example}")
 
     def runs(self) -> list[RunSpec]:
-        """Every (topology, seed, strategy, period) to run, topology by topology, ddp first (the baseline)."""
-        return [self._spec(topology, seed, strategy, period)
+        """Every (topology, seed, strategy, period, outer point) to run, topology by topology, ddp first (the
+        baseline); the strategies with an outer step (:data:`OUTER_STEP`) run at every swept β and outer lr."""
+        return [self._spec(topology, seed, strategy, period, beta, outer_lr)
                 for topology in self.topology_names
                 for seed in range(self.seeds)
                 for strategy in self.strategies
-                for period in (self.periods if strategy in PERIODIC else (None,))]
+                for period in (self.periods if strategy in PERIODIC else (None,))
+                for beta in (self.betas if strategy in OUTER_STEP else self.betas[:1])
+                for outer_lr in (self.outer_lrs if strategy in OUTER_STEP else self.outer_lrs[:1])]
 
-    def _spec(self, topology: str, seed: int, strategy: str, period: int | None) -> RunSpec:
+    def _variant(self, strategy: str, beta: float, outer_lr: float | None) -> str | None:
+        if strategy not in OUTER_STEP:
+            return None
+        parts = ([f"β={beta:g}"] if len(self.betas) > 1 else []) + (
+            [f"outer lr={outer_lr:g}"] if len(self.outer_lrs) > 1 and outer_lr is not None else [])
+        return " ".join(parts) or None
+
+    def _spec(self, topology: str, seed: int, strategy: str, period: int | None, beta: float,
+              outer_lr: float | None) -> RunSpec:
         profile_dir = self.profile_dir
         if profile_dir is not None and len(self.topology_names) > 1:  # DIR/<topology>/<strategy>-k<K>/
             profile_dir = f"{profile_dir.rstrip('/')}/{topology}"
         return RunSpec(strategy=strategy, period=period, seed=seed, model=self.model,
                        dataset=self.dataset, data_dir=self.data_dir,
                        epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
-                       momentum=self.momentum, slowmo_momentum=self.slowmo_momentum,
+                       momentum=self.momentum, slowmo_momentum=beta, variant=self._variant(strategy, beta, outer_lr),
                        quick=self.quick, profile_dir=profile_dir, slowmo_lr=self.slowmo_lr,
                        warmup_steps=self.warmup_steps, optimizer_state=self.optimizer_state,
                        lr_schedule=self.lr_schedule, augment=self.augment, max_images=self.max_images,
                        overlap_steps=self.overlap_steps, target_exposed_frac=self.target_exposed_frac,
                        k_min=self.k_min, k_max=self.k_max, max_divergence=self.max_divergence,
-                       topology=topology, fault=self.inject_fault,
+                       topology=topology, fault=self.inject_fault, outer_optimizer=self.outer_optimizer,
+                       outer_lr=outer_lr,
                        checkpoint_every=CHECKPOINT_EVERY if self.inject_fault is not None else None)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["strategies"], out["periods"] = list(self.strategies), list(self.periods)
+        out["slowmo_momentum"] = list(self.betas) if len(self.betas) > 1 else self.betas[0]
+        out["outer_lr"] = list(self.outer_lrs) if len(self.outer_lrs) > 1 else self.outer_lrs[0]
         out["topologies"] = None if self.topologies is None else list(self.topologies)
         return out

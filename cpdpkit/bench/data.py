@@ -6,7 +6,8 @@ official layout: ``cifar-100-python/{train,test}`` (pickled dicts, read with an 
 admits only numpy arrays and builtins) or ``cifar-100-binary/{train,test}.bin`` (fixed-size
 records: coarse label, fine label, 3072 pixel bytes). ``tinyimagenet`` reads TinyImageNet (or any
 ImageFolder) on disk: :mod:`cpdpkit.bench.image_folders`. ``stdlib-text`` is next-character
-prediction on Python's own standard library (:mod:`cpdpkit.bench.text`).
+prediction on Python's own standard library (:mod:`cpdpkit.bench.text`). ``mnist1d`` is MNIST-1D
+generated offline by the ``mnist1d`` package (:mod:`cpdpkit.bench.mnist1d`).
 
 The train/test split is fixed (it never depends on the run's seed), so every strategy and
 every seed sees the same held-out set.
@@ -23,12 +24,13 @@ import torch
 
 from cpdpkit.bench.dataset import CIFAR_MEAN, CIFAR_STD, Dataset
 from cpdpkit.bench.image_folders import load_tiny_imagenet
+from cpdpkit.bench.mnist1d import load_mnist1d
 from cpdpkit.bench.text import load_stdlib_text
 from cpdpkit.errors import ConfigError
 
 __all__ = ["DATASETS", "Dataset", "load_dataset", "find_cifar100"]
 
-DATASETS = ("digits", "synthetic", "cifar100", "tinyimagenet", "stdlib-text")
+DATASETS = ("digits", "synthetic", "cifar100", "tinyimagenet", "stdlib-text", "mnist1d")
 _CIFAR_RECORD = 2 + 3072
 
 
@@ -156,4 +158,6 @@ def load_dataset(name: str, *, data_dir: str | Path | None = None, quick: bool =
         return load_tiny_imagenet(data_dir, quick=quick)
     if name == "stdlib-text":  # next-character prediction on Python's stdlib: cpdpkit.bench.text
         return load_stdlib_text(quick=quick)
+    if name == "mnist1d":  # generated offline (never downloaded), cached in data_dir: cpdpkit.bench.mnist1d
+        return load_mnist1d(data_dir, quick=quick)
     raise ConfigError(f"unknown dataset {name!r}: choose one of {', '.join(DATASETS)}")

@@ -72,6 +72,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cpdpkit._values import refuse_nonfinite
 from cpdpkit.bench.report import SuiteReport
 from cpdpkit.errors import ConfigError
 from cpdpkit.topology import Topology, resolve_topology
@@ -104,6 +105,7 @@ class HybridBenchConfig:
     profile_dir: str | None = None
 
     def __post_init__(self) -> None:
+        refuse_nonfinite(self, ConfigError, options=True)
         from cpdpkit.bench.gpt import GPT_PRESETS
 
         for s in self.strategies:

@@ -1,5 +1,6 @@
 """Models for ``cpdpkit bench``: a small CNN, ResNet-50 with a CIFAR stem (ours), and torchvision's
-ResNet-18/50 and ViT-S when installed; ``char-mlp`` for the ``stdlib-text`` data set (:mod:`cpdpkit.bench.text`)."""
+ResNet-18/50 and ViT-S when installed; ``char-mlp`` for the ``stdlib-text`` data set (:mod:`cpdpkit.bench.text`);
+``cnn1d``, the MNIST-1D paper's 1-D CNN, for ``mnist1d`` (:mod:`cpdpkit.bench.mnist1d`)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,14 @@ import importlib.util
 
 from torch import nn
 
+from cpdpkit.bench.mnist1d import ConvBase1D
 from cpdpkit.bench.resnet_cifar import resnet50_cifar
 from cpdpkit.bench.text import CharMLP
 from cpdpkit.errors import ConfigError
 
 __all__ = ["MODELS", "build_model", "check_model_available"]
 
-MODELS = ("cnn", "resnet18", "resnet50", "vit-s", "resnet50-cifar", "char-mlp")
+MODELS = ("cnn", "resnet18", "resnet50", "vit-s", "resnet50-cifar", "char-mlp", "cnn1d")
 _TORCHVISION = ("resnet18", "resnet50", "vit-s")
 
 
@@ -54,6 +56,13 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn
         raise ConfigError(f"model {name!r} needs images, but the data set holds character ids: use --model char-mlp")
     if name == "char-mlp":
         return CharMLP(input_shape[0], num_classes)
+    if (name == "cnn1d") != (len(input_shape) == 2):  # 1-D sequences are (1, L), images (C, H, W)
+        if name == "cnn1d":
+            raise ConfigError(f"model 'cnn1d' reads 1-D sequences (--dataset mnist1d), not inputs of shape "
+                              f"{input_shape}: use --model cnn")
+        raise ConfigError(f"model {name!r} needs images, but the data set holds 1-D sequences: use --model cnn1d")
+    if name == "cnn1d":
+        return ConvBase1D(num_classes, length=input_shape[-1])
     channels = input_shape[0]
     if name == "cnn":
         return SmallCNN(channels, num_classes)

@@ -9,9 +9,9 @@ With ``n`` seeds where both finished, the difference is ``mean(d)`` and its 95 %
 interval ``mean(d) ± t(0.975, n-1) · sd(d) / √n`` (none for ``n < 2``). A difference is
 *significant* when that interval excludes 0.
 
-Results are grouped by (topology, strategy, period), and differences are paired within one
-topology. A run names its topology in ``spec["topology"]``; runs from before ``--topologies``
-(and their JSON) name none and are on ``config["topology"]``.
+Results are grouped by (topology, strategy, period, variant: a point of a swept outer step), and
+differences are paired within one topology. A run names its topology in ``spec["topology"]``; runs
+from before ``--topologies`` (and their JSON) name none and are on ``config["topology"]``.
 """
 
 from __future__ import annotations
@@ -109,14 +109,17 @@ class StrategyResult:
     delta_wall_ci95_s: tuple[float, float] | None = None
     paired_seeds: int = 0  # seeds where this strategy and ddp both finished
     curve: tuple[dict[str, float], ...] = field(default_factory=tuple)
+    variant: str | None = None  # one point of a swept outer step ("β=0.2", "outer lr=0.7"); None: no sweep
 
     @property
     def label(self) -> str:
-        return self.strategy if self.period is None else f"{self.strategy} K={self.period}"
+        base = self.strategy if self.period is None else f"{self.strategy} K={self.period}"
+        return base if self.variant is None else f"{base} {self.variant}"
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "strategy": self.strategy, "period": self.period, "topology": self.topology, "status": self.status,
+            "strategy": self.strategy, "period": self.period, "variant": self.variant, "topology": self.topology,
+            "status": self.status,
             "reasons": list(self.reasons), **self.means,
             "std": self.stds, "delta_acc_pp_vs_ddp": self.delta_acc_pp,
             "delta_acc_ci95_pp": _as_list(self.delta_acc_ci95_pp),
@@ -172,7 +175,8 @@ def _mean_curve(runs: list[dict[str, Any]]) -> tuple[dict[str, float], ...]:
     return tuple(out)
 
 
-def _one(topology: str | None, strategy: str, period: int | None, runs: list[dict[str, Any]]) -> StrategyResult:
+def _one(topology: str | None, strategy: str, period: int | None, variant: str | None,
+         runs: list[dict[str, Any]]) -> StrategyResult:
     ok = [r for r in runs if r.get("status") == "ok"]
     means, stds = {}, {}
     for key in _MEAN_KEYS:
@@ -180,7 +184,8 @@ def _one(topology: str | None, strategy: str, period: int | None, runs: list[dic
     reasons = tuple(f"seed {r['spec']['seed']}: {r.get('reason')}" for r in runs if r.get("status") != "ok")
     status = "ok" if ok else (runs[0].get("status") or "failed")
     harness = statistics.fmean(r.get("harness_total_s", 0.0) for r in runs) if runs else 0.0
-    return StrategyResult(strategy=strategy, period=period, topology=topology, status=status, reasons=reasons,
+    return StrategyResult(strategy=strategy, period=period, variant=variant, topology=topology, status=status,
+                          reasons=reasons,
                           means=means, stds=stds, seeds=tuple(_seed_entry(r) for r in runs),
                           harness_s=harness, curve=_mean_curve(ok))
 
@@ -191,14 +196,17 @@ def run_topology(run: dict[str, Any], config: dict[str, Any]) -> str | None:
 
 
 def aggregate(config: dict[str, Any], runs: list[dict[str, Any]]) -> BenchReport:
-    """Group run results by (topology, strategy, period), in first-seen order; add deltas vs that topology's ddp."""
-    grouped: dict[tuple[str | None, str, int | None], list[dict[str, Any]]] = {}
+    """Group run results by (topology, strategy, period, variant), in first-seen order; add deltas vs that
+    topology's ddp."""
+    grouped: dict[tuple[str | None, str, int | None, str | None], list[dict[str, Any]]] = {}
     for run in runs:  # dicts keep first-seen order
-        grouped.setdefault((run_topology(run, config), run["spec"]["strategy"], run["spec"]["period"]), []).append(run)
+        spec = run["spec"]
+        key = (run_topology(run, config), spec["strategy"], spec["period"], spec.get("variant"))
+        grouped.setdefault(key, []).append(run)
     plain = {key: _one(*key, group) for key, group in grouped.items()}
     results = []
     for key, r in plain.items():
-        base_key = (key[0], "ddp", None)
+        base_key = (key[0], "ddp", None, None)
         base = plain.get(base_key)
         ok = base is not None and base.status == "ok"
         results.append(_with_delta(r, base, grouped[key], grouped[base_key]) if ok else r)

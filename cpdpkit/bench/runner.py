@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from cpdpkit.bench.config import BenchConfig, RunSpec
+from cpdpkit.bench.mnist1d import load_mnist1d
 from cpdpkit.bench.report import BenchReport, aggregate
 from cpdpkit.bench.worker import PROGRESS_FILE, RESULT_FILE, SPEC_FILE
 from cpdpkit.topology import Topology, resolve_topology
@@ -31,6 +32,8 @@ Event = tuple[Any, ...]
 
 def _run_dir(work_dir: Path, spec: RunSpec, config: BenchConfig) -> Path:
     name = spec.strategy if spec.period is None else f"{spec.strategy}-k{spec.period}"
+    if spec.variant is not None:  # a swept point: "β=0.2 outer lr=0.7" -> "-b0.2-olr0.7"
+        name += "-" + spec.variant.replace("outer lr=", "olr").replace("β=", "b").replace(" ", "-")
     if len(config.topology_names) > 1:
         name = f"{spec.topology or config.topology}-{name}"
     return work_dir / f"{name}-seed{spec.seed}"
@@ -139,6 +142,11 @@ def run_bench(config: BenchConfig, work_dir: Path, emit: Callable[[Event], None]
     placed topologies (:func:`resolve_bench_topologies`; resolved here when not given)."""
     placed = topologies if topologies is not None else resolve_bench_topologies(config)
     work_dir.mkdir(parents=True, exist_ok=True)
-    runs = [run_one(spec, config, work_dir, emit, topology=placed[spec.topology or config.topology])
-            for spec in config.runs()]
+    run_config = config
+    if config.dataset == "mnist1d" and config.data_dir is None:
+        # generated once here (seconds), read by every rank of every run from the work folder
+        load_mnist1d(work_dir, quick=config.quick)
+        run_config = dataclasses.replace(config, data_dir=str(work_dir))
+    runs = [run_one(spec, run_config, work_dir, emit, topology=placed[spec.topology or config.topology])
+            for spec in run_config.runs()]
     return aggregate(config.to_dict(), runs)

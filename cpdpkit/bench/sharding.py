@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cpdpkit._values import refuse_nonfinite
 from cpdpkit.bench.gpt import gpt_preset
 from cpdpkit.bench.report import SuiteReport
 from cpdpkit.errors import ConfigError
@@ -95,6 +96,7 @@ class ShardingBenchConfig:
     profile_dir: str | None = None
 
     def __post_init__(self) -> None:
+        refuse_nonfinite(self, ConfigError, options=True)
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ConfigError(f"--max-grad-norm must be > 0, got {self.max_grad_norm!r}: e.g. --max-grad-norm 1.0")
         for s in self.strategies:

@@ -6,7 +6,9 @@
 * ``localsgd``, ``slowmo``, ``cpdp``: :class:`cpdpkit.sync.PeriodicSyncOptimizer`.
 * ``slowmo-overlap``, ``cpdp-overlap``: the same with ``overlap_steps`` (the parameter average
   launched asynchronously and applied τ steps later); ``cpdp-auto``: cpdp with ``period="auto"``
-  (a controller picks K at run time). :func:`sync_options` maps a bench strategy to its options.
+  (a controller picks K at run time); ``cpdp-step-then-average``: cpdp's order before
+  ``cpdp_order`` (the synchronous step, then the average: equal to slowmo with plain SGD).
+  :func:`sync_options` maps a bench strategy to its options.
 
 Every strategy's inner optimizer is SGD (``lr``, ``momentum``), and the LR schedule
 (:func:`build_lr_scheduler`) applies to all of them, stepped after every optimizer step: on the
@@ -100,8 +102,19 @@ class StrategyRunner:
 
 
 def sync_options(strategy: str, period: int | None, *, overlap_steps: int, target_exposed_frac: float,
-                 k_min: int, k_max: int, max_divergence: float | None) -> dict[str, Any]:
-    """The :class:`PeriodicSyncOptimizer` keyword options of one of our bench strategies."""
+                 k_min: int, k_max: int, max_divergence: float | None, outer_optimizer: str = "slowmo",
+                 outer_lr: float | None = None) -> dict[str, Any]:
+    """The :class:`PeriodicSyncOptimizer` keyword options of one of our bench strategies (the outer
+    optimizer only for those with an outer step: slowmo and cpdp)."""
+    options = _period_options(strategy, period, overlap_steps=overlap_steps, target_exposed_frac=target_exposed_frac,
+                              k_min=k_min, k_max=k_max, max_divergence=max_divergence)
+    if outer_optimizer != "slowmo" and options["strategy"] in ("slowmo", "cpdp"):
+        options.update(outer_optimizer=outer_optimizer, outer_lr=outer_lr)
+    return options
+
+
+def _period_options(strategy: str, period: int | None, *, overlap_steps: int, target_exposed_frac: float,
+                    k_min: int, k_max: int, max_divergence: float | None) -> dict[str, Any]:
     if strategy == "cpdp-auto":
         return {"strategy": "cpdp", "period": "auto", "target_exposed_frac": target_exposed_frac,
                 "k_min": k_min, "k_max": k_max, "max_divergence": max_divergence}
@@ -109,6 +122,8 @@ def sync_options(strategy: str, period: int | None, *, overlap_steps: int, targe
         raise ValueError(f"bench strategy {strategy!r} needs a period K")
     if strategy in ("slowmo-overlap", "cpdp-overlap"):
         return {"strategy": strategy.removesuffix("-overlap"), "period": period, "overlap_steps": overlap_steps}
+    if strategy == "cpdp-step-then-average":
+        return {"strategy": "cpdp", "period": period, "cpdp_order": "step-then-average"}
     return {"strategy": strategy, "period": period}
 
 

@@ -178,7 +178,8 @@ def _params_sha256(module: nn.Module, world: int) -> list[str]:
 
 def _sync_kw(spec: RunSpec) -> dict:
     return {"overlap_steps": spec.overlap_steps, "target_exposed_frac": spec.target_exposed_frac,
-            "k_min": spec.k_min, "k_max": spec.k_max, "max_divergence": spec.max_divergence}
+            "k_min": spec.k_min, "k_max": spec.k_max, "max_divergence": spec.max_divergence,
+            "outer_optimizer": spec.outer_optimizer, "outer_lr": spec.outer_lr}
 
 
 def _profiled(spec: RunSpec):

@@ -7,7 +7,7 @@ line on stderr and exit code 2; ``cpdpkit --debug COMMAND`` shows the traceback 
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 import typer
@@ -15,25 +15,17 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
 
+from cpdpkit._outputs import check_output_file
 from cpdpkit.cli._exit import EXIT_USER_ERROR
-from cpdpkit.errors import ConfigError, CpdpkitError
+from cpdpkit.errors import CpdpkitError
 
 __all__ = ["app", "err_console", "out_console", "EXIT_USER_ERROR", "prepare_output"]
 
 
 
-def prepare_output(path: str | None, option: str) -> None:
-    """Before any work: make the parent folder of an output file (``--json``, ``--plot``) or fail in one line."""
-    if path is None:
-        return
-    parent = Path(path).parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"{option} {path}: cannot create its folder {parent} ({exc.strerror}); "
-                          "pass a path in a writable folder") from None
-    if Path(path).is_dir():
-        raise ConfigError(f"{option} {path} is a folder; pass a file name such as {Path(path) / 'out.json'}")
+def prepare_output(path: str | None, option: str, inputs: Iterable[str | None] = ()) -> None:
+    """Before any work: an output file (``--json``, ``--plot``) can be written (:mod:`cpdpkit._outputs`)."""
+    check_output_file(path, option, inputs=inputs)
 
 
 def _console(stderr: bool = False) -> Console:
@@ -53,8 +45,10 @@ class _ErrorPolicyGroup(TyperGroup):
         try:
             return super().invoke(ctx)
         except CpdpkitError as exc:
-            if isinstance(ctx.obj, dict) and ctx.obj.get("debug"):
-                raise
+            if isinstance(ctx.obj, dict) and ctx.obj.get("debug"):  # the traceback, and still exit 2
+                import traceback
+
+                traceback.print_exc()
             err_console.print(f"[bold red]error:[/bold red] {escape(str(exc))}", soft_wrap=True)
             raise typer.Exit(EXIT_USER_ERROR) from None
 

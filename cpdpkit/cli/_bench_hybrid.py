@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cpdpkit._outputs import check_output_dir, write_output
 from cpdpkit.cli._app import out_console, prepare_output
 from cpdpkit.cli._bench_sharding import _f, _mark, fill_table, run_and_print
 
@@ -40,15 +41,16 @@ def run_hybrid_suite(config: HybridBenchConfig, *, json_out: str | None, plot: s
     prepared = prepare(config)  # once: a bad topology fails before the output paths are touched
     prepare_output(json_out, "--json")  # a bad path fails now, not after every run
     prepare_output(plot, "--plot")
+    check_output_dir(config.profile_dir, "--profile")
 
     report = run_and_print(lambda work, emit: run_hybrid_bench(config, work, emit, prepared=prepared),
                            work_dir=work_dir, prefix="cpdpkit-bench-hybrid-", table=_table, goal_lines=goal_lines)
     data = report.to_dict()
     if json_out:
-        Path(json_out).write_text(json.dumps(data, indent=1))
+        write_output(json_out, json.dumps(data, indent=1).encode(), "--json")
         out_console.print(f"wrote {json_out}")
     if plot:
-        plot_loss_curves(data, Path(plot))
+        write_output(plot, lambda tmp: plot_loss_curves(data, tmp), "--plot")
         out_console.print(f"wrote {plot}")
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cpdpkit._outputs import check_output_dir, write_output
 from cpdpkit.cli._app import out_console, prepare_output
 
 if TYPE_CHECKING:
@@ -47,10 +48,11 @@ def run_sharding_suite(config: ShardingBenchConfig, *, json_out: str | None, wor
     from cpdpkit.bench.sharding import run_sharding_bench
 
     prepare_output(json_out, "--json")  # a bad path fails now, not after every run
+    check_output_dir(config.profile_dir, "--profile")
     report = run_and_print(lambda work, emit: run_sharding_bench(config, work, emit), work_dir=work_dir,
                            prefix="cpdpkit-bench-sharding-", table=_table, goal_lines=goal_lines)
     if json_out:
-        Path(json_out).write_text(json.dumps(report.to_dict(), indent=1))
+        write_output(json_out, json.dumps(report.to_dict(), indent=1).encode(), "--json")
         out_console.print(f"wrote {json_out}")
 
 

@@ -23,8 +23,9 @@ __all__ = ["VALUE_OPTIONS", "FLAG_OPTIONS", "parse_profile_args", "try_profile"]
 
 # option -> ProfileArgs field
 VALUE_OPTIONS = {"--json": "json_path", "--baseline": "baseline", "--max-regression": "max_regression",
-                 "--plot": "plot", "--what-if": "what_if"}
-FLAG_OPTIONS = {"--per-step": "per_step"}
+                 "--plot": "plot", "--what-if": "what_if", "--max-trace-bytes": "max_trace_bytes",
+                 "--max-events": "max_events"}
+FLAG_OPTIONS = {"--per-step": "per_step", "--strict": "strict"}
 _PATHS = {"json_path", "plot"}
 
 
@@ -67,8 +68,10 @@ def try_profile(argv: Sequence[str]) -> int | None:
     try:
         return run_profile(args)
     except CpdpkitError as exc:
-        if debug:
-            raise
         sys.stdout.flush()
+        if debug:  # the traceback, and still exit 2
+            import traceback
+
+            traceback.print_exc()
         print(error_line("error", str(exc), sys.stderr), file=sys.stderr)
         return EXIT_USER_ERROR

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from cpdpkit._outputs import check_output_file, write_output
 from cpdpkit.cli._exit import EXIT_OK, EXIT_REGRESSION, EXIT_USER_ERROR
 from cpdpkit.cli._table import Justify, TextTable
 from cpdpkit.errors import ConfigError
@@ -67,7 +69,8 @@ def _within(path: str, folder: str) -> bool:
     return inner == outer or inner.startswith(outer.rstrip(os.sep) + os.sep)
 
 
-def resolve_baseline(report: OverlapReport, value: str | None) -> tuple[list[RunReport], OverlapReport | None]:
+def resolve_baseline(report: OverlapReport, value: str | None,
+                     limits: Any = None) -> tuple[list[RunReport], OverlapReport | None]:
     """The baseline runs, and the report of a baseline path analysed on its own (else ``None``).
 
     ``value`` is, first that fits: a run's name (or strategy) among ``report``'s runs; a path
@@ -86,11 +89,33 @@ def resolve_baseline(report: OverlapReport, value: str | None) -> tuple[list[Run
             return inside, None
         from cpdpkit.profiler import analyze
 
-        base = analyze([value])
+        base = analyze([value]) if limits is None else analyze([value], limits=limits)
         return list(base.runs), base
     names = ", ".join(r.name for r in report.runs) or "(none loaded)"
     raise ConfigError(f"--baseline {value!r} is not one of the runs: {names}, nor a file or folder; pass a "
                       "run's name or the path of the baseline's traces (a run folder or trace file)")
+
+
+_SIZE = re.compile(r"(\d[\d_]*)\s*(KiB|MiB|GiB|TiB)?", re.IGNORECASE)
+_UNIT = {None: 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_limits(max_trace_bytes: str | None, max_events: str | None) -> Any:
+    """``--max-trace-bytes`` (``8GiB``, ``500MiB``, a byte count) and ``--max-events`` as TraceLimits."""
+    from cpdpkit.profiler import TraceLimits
+
+    values: dict[str, int] = {}
+    m = _SIZE.fullmatch(max_trace_bytes.strip()) if max_trace_bytes is not None else None
+    if max_trace_bytes is not None:
+        if m is None or int(m.group(1)) < 1:
+            raise ConfigError(f"--max-trace-bytes {max_trace_bytes!r} is invalid; use a size >= 1 such as 8GiB, "
+                              "500MiB or 1000000 (bytes)")
+        values["max_bytes"] = int(m.group(1)) * _UNIT[(m.group(2) or "").lower() or None]
+    if max_events is not None:
+        if not re.fullmatch(r"\d[\d_]*", max_events.strip()) or int(max_events) < 1:
+            raise ConfigError(f"--max-events {max_events!r} is invalid; use a whole number >= 1, e.g. 50000000")
+        values["max_events"] = int(max_events)
+    return TraceLimits(**values)
 
 
 def parse_max_regression(text: str | None) -> float | None:
@@ -262,9 +287,7 @@ def write_plot(report: OverlapReport, path: Path) -> None:
     ax.legend()
     fig.tight_layout()
     try:
-        fig.savefig(path)
-    except OSError as exc:
-        raise ConfigError(f"--plot {os.fspath(path)!r}: cannot write the file ({exc.strerror or exc})") from None
+        write_output(path, fig.savefig, "--plot")
     finally:
         plt.close(fig)
 
@@ -273,10 +296,7 @@ def _write_json(data: dict[str, Any], path: Path) -> None:
     import orjson
 
     encoded = orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
-    try:
-        path.write_bytes(encoded + b"\n")
-    except OSError as exc:
-        raise ConfigError(f"--json {os.fspath(path)!r}: cannot write the file ({exc.strerror or exc})") from None
+    write_output(path, encoded + b"\n", "--json")
 
 
 def _report_dict(report: OverlapReport, per_step: bool, base_ids: set[int],
@@ -353,9 +373,12 @@ class ProfileArgs:
     max_regression: str | None = None
     plot: Path | None = None
     what_if: str | None = None
+    max_trace_bytes: str | None = None
+    max_events: str | None = None
+    strict: bool = False
 
 
-_STYLE = {"error": "1;31", "regression": "1;31", "note": "33"}
+_STYLE = {"error": "1;31", "regression": "1;31", "note": "33", "warning": "33"}
 
 
 def error_line(kind: str, text: str, stream: TextIO) -> str:
@@ -378,8 +401,14 @@ def run_profile(args: ProfileArgs) -> int:
     from cpdpkit.profiler import OverlapReport, analyze
 
     limit = parse_max_regression(args.max_regression)
-    report = analyze(list(args.run_dirs), what_if=args.what_if)
-    bases, base_report = resolve_baseline(report, args.baseline)
+    limits = parse_limits(args.max_trace_bytes, args.max_events)
+    inputs = (*args.run_dirs, args.baseline, args.what_if)
+    check_output_file(args.json_path, "--json", inputs=inputs)  # before reading any trace
+    check_output_file(args.plot, "--plot", inputs=inputs)
+    if args.json_path is not None and args.plot is not None and args.json_path.resolve() == args.plot.resolve():
+        raise ConfigError(f"--json and --plot are both {str(args.json_path)!r}: pass two different files")
+    report = analyze(list(args.run_dirs), what_if=args.what_if, limits=limits)
+    bases, base_report = resolve_baseline(report, args.baseline, limits)
     base_ids = {id(b) for b in bases}
     shown = OverlapReport(
         runs=(*(base_report.runs if base_report else ()), *report.runs),
@@ -397,7 +426,9 @@ def run_profile(args: ProfileArgs) -> int:
     if args.plot is not None and shown.runs:
         write_plot(shown, args.plot)
     sys.stdout.flush()
-    for text in [*(issue.error for issue in shown.errors), *problems]:
+    for issue in shown.errors:
+        _say("warning" if issue.warning else "error", issue.error)
+    for text in problems:
         _say("error", text)
     if check is not None:
         for note in check.notes:
@@ -406,7 +437,7 @@ def run_profile(args: ProfileArgs) -> int:
             _say("regression", regression_line(c).removeprefix("regression: "))
         if check.passed:
             print(no_regression_line(check))
-    if shown.errors or problems or not report.runs:
+    if any(args.strict or not e.warning for e in shown.errors) or problems or not report.runs:
         return EXIT_USER_ERROR
     if check is not None and not check.passed:
         return EXIT_REGRESSION

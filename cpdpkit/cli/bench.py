@@ -24,6 +24,7 @@ import typer
 from rich.markup import escape
 from typer.core import TyperGroup
 
+from cpdpkit._outputs import check_output_dir, write_output
 from cpdpkit.cli._app import app, err_console, out_console, prepare_output
 from cpdpkit.cli._bench_hybrid import hybrid_config, run_hybrid_suite
 from cpdpkit.cli._bench_plot import plot_accuracy_vs_wall
@@ -78,6 +79,27 @@ def _int_list(name: str, text: str) -> tuple[int, ...]:
         raise ConfigError(f"{name} {text!r} is not a comma-separated list of integers: e.g. {name} 2,4") from None
 
 
+def _float_list(name: str, text: str) -> float | tuple[float, ...]:
+    """One float, or a tuple of them for a comma-separated list (swept like --periods)."""
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise ConfigError(f"{name} {text!r} is not a number or a comma-separated list of numbers: e.g. {name} "
+                          "0,0.2,0.5") from None
+    return values[0] if len(values) == 1 else values
+
+
+def _one_float(name: str, text: str) -> float:
+    """One number: a list here is refused (only --periods, --slowmo-momentum and --outer-lr are swept)."""
+    if "," in text:
+        raise ConfigError(f"{name} takes one value, got {text!r}: the swept options are --periods, "
+                          "--slowmo-momentum and --outer-lr; run once per value of " + name)
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"{name} {text!r} is not a number: e.g. {name} 0.1") from None
+
+
 def _names(text: str) -> tuple[str, ...]:
     return tuple(s.strip() for s in text.split(",") if s.strip())
 
@@ -102,6 +124,12 @@ def _bench_config(*, strategies: str | None, periods: str | None, epochs: int | 
         args["strategies"] = _names(strategies)
     elif quick:
         args["strategies"] = _QUICK_STRATEGIES
+    for flag, name in (("--slowmo-momentum", "slowmo_momentum"), ("--outer-lr", "outer_lr")):
+        if isinstance(args.get(name), str):
+            args[name] = _float_list(flag, args[name])
+    for flag, name in (("--lr", "lr"), ("--momentum", "momentum"), ("--slowmo-lr", "slowmo_lr")):
+        if isinstance(args.get(name), str):
+            args[name] = _one_float(flag, args[name])
     if periods is not None:
         args["periods"] = _int_list("--periods", periods)
     elif quick:
@@ -119,8 +147,10 @@ def bench(
     suite: str = typer.Option("cpdp", "--suite", help="Deprecated: --suite sharding is `cpdpkit bench sharding`."),
     strategies: str | None = typer.Option(None, help="Comma-separated subset of ddp, localsgd-torch, localsgd, "
                                              "slowmo, cpdp, cpdp-overlap (the average applied --overlap-steps "
-                                             "later), cpdp-auto (K chosen at run time), slowmo-overlap.",
-                                          show_default="all but slowmo-overlap; --quick: ddp,localsgd-torch,cpdp"),
+                                             "later), cpdp-auto (K chosen at run time), slowmo-overlap, "
+                                             "cpdp-step-then-average (cpdp's old order: step, then average).",
+                                          show_default="all but slowmo-overlap and cpdp-step-then-average; "
+                                                       "--quick: ddp,localsgd-torch,cpdp"),
     periods: str | None = typer.Option(None, help="K values for the periodic strategies.",
                                           show_default="2,4; --quick: 4"),
     model: str | None = typer.Option(None, help="char-mlp (next character) | cnn | resnet50-cifar (ResNet-50, 3x3 "
@@ -134,18 +164,35 @@ def bench(
     preset: str | None = typer.Option(None, help="paper: the CPDP paper's main setting (resnet50-cifar on cifar100, "
                                          "or --dataset tinyimagenet, from --data-dir; lr 0.1 constant, momentum 0.9, "
                                          "batch 128, 200 epochs, --augment, periods 2,4, wan; with --quick: batch 4, "
-                                         "64 images). Options given override it."),
+                                         "64 images). mnist1d: MNIST-1D generated offline (pip package mnist1d), "
+                                         "its 1-D CNN with shift augmentation, 4 replicas over wan, lr 0.1, "
+                                         "momentum 0.9, ddp, localsgd, cpdp at K=4, 3 seeds. Options given "
+                                         "override it."),
     augment: bool | None = typer.Option(None, "--augment/--no-augment", show_default=False,
                                         help="Random crop (padding 4) and horizontal flip of training batches, "
                                              "seeded per (seed, epoch, rank). Off by default; on with --preset paper."),
     epochs: int | None = typer.Option(None, help="Passes over the training set.",
                                          show_default="4; --quick: at most 3"),
     batch_size: int | None = typer.Option(None, help="Per-rank batch size.", show_default="128"),
-    lr: float | None = typer.Option(None, help="Learning rate (fixed, the paper's main setting).",
+    lr: str | None = typer.Option(None, metavar="FLOAT", help="Learning rate (fixed, the paper's main setting).",
                                        show_default="0.1"),
-    momentum: float | None = typer.Option(None, help="Inner SGD momentum (every strategy).", show_default="0.9"),
-    slowmo_momentum: float | None = typer.Option(None, help="SlowMo's β (slowmo, cpdp).", show_default="0.5"),
-    slowmo_lr: float | None = typer.Option(None, help="SlowMo's α (slowmo, cpdp).", show_default="1.0"),
+    momentum: str | None = typer.Option(None, metavar="FLOAT", help="Inner SGD momentum (every strategy).",
+                                        show_default="0.9"),
+    slowmo_momentum: str | None = typer.Option(None, metavar="FLOAT[,FLOAT...]",
+                                               help="SlowMo's β (slowmo, cpdp); a comma-separated list is swept "
+                                                    "like --periods.",
+                                               show_default="by replicas: 0 below 8 (measured), 0.5 at 8, "
+                                                            "0.6 at 16+ (fairscale's)"),
+    slowmo_lr: str | None = typer.Option(None, metavar="FLOAT", help="SlowMo's α (slowmo, cpdp).",
+                                         show_default="1.0"),
+    outer_optimizer: str | None = typer.Option(None, help="The outer step of slowmo and cpdp on the pseudo-gradient "
+                                                  "(anchor - average): slowmo (--slowmo-momentum, --slowmo-lr), "
+                                                  "diloco (Nesterov SGD, lr 0.7, momentum 0.9) or a torch.optim "
+                                                  "class name (e.g. SGD, Adam) with --outer-lr.",
+                                                  show_default="slowmo"),
+    outer_lr: str | None = typer.Option(None, metavar="FLOAT[,FLOAT...]",
+                                        help="LR of an outer optimizer other than slowmo; a list is swept.",
+                                             show_default="diloco 0.7, a torch.optim class 1.0"),
     warmup_steps: int | None = typer.Option(None, help="Steps of gradient all-reduce before the periodic phase "
                                                "(localsgd, slowmo, cpdp).", show_default="0"),
     optimizer_state: str | None = typer.Option(None, help="keep | average | reset: the inner optimizer's state at "
@@ -168,8 +215,9 @@ def bench(
                                            show_default="wan"),
     topologies: str | None = typer.Option(None, help="Run the whole comparison once per preset, e.g. "
                                              "lan,wan,wan-variable (instead of --topology)."),
-    seeds: int = typer.Option(1, help="Seeds per strategy (mean ± std; with >= 2, a 95 % CI of each "
-                                      "difference to ddp, paired by seed)."),
+    seeds: int | None = typer.Option(None, help="Seeds per strategy (mean ± std; with >= 2, a 95 % CI of each "
+                                             "difference to ddp, paired by seed).",
+                                     show_default="1; --preset mnist1d: 3"),
     quick: bool = typer.Option(False, "--quick", help="A small smoke run (well under a minute)."),
     profile: str | None = typer.Option(None, "--profile", help="Write traces for every run under DIR."),
     json_out: str | None = typer.Option(None, "--json", help="Write the results as JSON to FILE."),
@@ -207,7 +255,8 @@ def bench(
     config = _bench_config(
         strategies=strategies, periods=periods, model=model, dataset=dataset, data_dir=data_dir, epochs=epochs,
         batch_size=batch_size, lr=lr, momentum=momentum, slowmo_momentum=slowmo_momentum, slowmo_lr=slowmo_lr,
-        warmup_steps=warmup_steps, optimizer_state=optimizer_state, lr_schedule=lr_schedule,
+        outer_optimizer=outer_optimizer, outer_lr=outer_lr, warmup_steps=warmup_steps,
+        optimizer_state=optimizer_state, lr_schedule=lr_schedule,
         world_size=world_size, topology=topology, topologies=topologies, seeds=seeds,
         quick=quick, profile_dir=profile, augment=augment, preset=preset, overlap_steps=overlap_steps,
         target_exposed_frac=target_exposed_frac, k_min=k_min, k_max=k_max, max_divergence=max_divergence,
@@ -295,16 +344,18 @@ def _run_main(config: BenchConfig, *, json_out: str | None, plot: str | None, wo
     from cpdpkit.bench.runner import resolve_bench_topologies
 
     topologies = resolve_bench_topologies(config)  # once, here: a bad topology fails before any launch
-    prepare_output(json_out, "--json")  # so does an output path that cannot be written
-    prepare_output(plot, "--plot")
+    inputs = (config.data_dir, *config.topology_names)
+    prepare_output(json_out, "--json", inputs)  # so does an output path that cannot be written
+    prepare_output(plot, "--plot", inputs)
+    check_output_dir(config.profile_dir, "--profile", inputs=inputs)
     with tempfile.TemporaryDirectory(prefix="cpdpkit-bench-") as tmp:
         report = _run_with_progress(config, Path(work_dir or tmp), topologies)
     _print_report(report)
     if json_out:
-        Path(json_out).write_text(json.dumps(report.to_dict(), indent=1))
+        write_output(json_out, json.dumps(report.to_dict(), indent=1).encode(), "--json")
         out_console.print(f"wrote {json_out}")
     if plot:
-        plot_accuracy_vs_wall(report.to_dict(), Path(plot))
+        write_output(plot, lambda tmp: plot_accuracy_vs_wall(report.to_dict(), tmp), "--plot")
         out_console.print(f"wrote {plot}")
 
 

@@ -40,7 +40,11 @@ def launch_command(
 
     Example: cpdpkit launch --nproc-per-node 2 --topology wan --profile runs/ddp train.py --steps 20
     """
+    from cpdpkit._outputs import check_output_dir
     from cpdpkit.launch import LaunchConfig, launch  # torch-free, but only this command needs it
+
+    check_output_dir(profile, "--profile", inputs=(script,))
+    check_output_dir(py_spy, "--py-spy", inputs=(script,))
 
     config = LaunchConfig(
         nproc_per_node=nproc_per_node, topology=topology, profile_dir=profile, py_spy_dir=py_spy,

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import typer
 from rich.table import Table
 
+from cpdpkit._outputs import check_output_file, write_output
 from cpdpkit.cli._app import app, out_console
 from cpdpkit.errors import ConfigError
 
@@ -83,6 +84,7 @@ def plan(
     from cpdpkit.planner.planner import resolve_inputs
     from cpdpkit.planner.schedule import DEFAULT_FLOPS_PER_S, DEFAULT_TOKENS_PER_RANK
 
+    check_output_file(json_out, "--json", inputs=(model, topology))
     tokens_per_rank = DEFAULT_TOKENS_PER_RANK if tokens_per_rank is None else tokens_per_rank
     tflops = DEFAULT_FLOPS_PER_S / 1e12 if tflops is None else tflops
     if world_size < 1:
@@ -105,10 +107,8 @@ def plan(
     if show_schedule and chosen.schedule is not None:
         _render_schedule(chosen.schedule, f"estimated: {tokens_per_rank} tokens/rank at {tflops:g} TFLOP/s")
     if json_out is not None:
-        try:
-            json_out.write_text(json.dumps({"plan": chosen.to_dict(), "summary": summary}, indent=1) + "\n")
-        except OSError as exc:
-            raise ConfigError(f"--json {str(json_out)!r} cannot be written ({exc.strerror}); check the path") from None
+        write_output(json_out, (json.dumps({"plan": chosen.to_dict(), "summary": summary}, indent=1) + "\n").encode(),
+                     "--json")
         out_console.print(f"[dim]wrote {json_out}[/dim]")
 
 

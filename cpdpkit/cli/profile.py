@@ -33,6 +33,13 @@ def profile(
     what_if: str | None = typer.Option(None, "--what-if", metavar="TOPOLOGY", help="Predict each run's step on "
                                        "this topology (a preset name or a TOML file): every collective re-timed "
                                        "by the network model, measured compute and order kept."),
+    max_trace_bytes: str | None = typer.Option(None, "--max-trace-bytes", metavar="SIZE", help="The most "
+                                               "decompressed bytes one trace file may hold (default 4GiB; "
+                                               "e.g. 16GiB, 500MiB): a limit against gzip bombs."),
+    max_events: str | None = typer.Option(None, "--max-events", metavar="N", help="The most events one "
+                                          "trace file may hold (default 10000000)."),
+    strict: bool = typer.Option(False, "--strict", help="Exit 2 on warnings too (a run with ranks missing: "
+                                "by default the present ranks are analysed, with a warning, and exit 0)."),
 ) -> None:
     """Exposed vs hidden communication per run, from PyTorch profiler traces.
 
@@ -40,9 +47,10 @@ def profile(
     baseline has it, else the baseline's only run.
 
     Exit codes: 0 fine; 1 a regression beyond --max-regression; 2 bad input (unreadable
-    traces, traces of another run, missing ranks, bad options), also when there is a
-    regression too. Everything that could be analysed is still shown and written.
+    traces, traces of another run, bad options; missing ranks with --strict), also when
+    there is a regression too. Everything that could be analysed is still shown and written.
     """
-    code = run_profile(ProfileArgs(tuple(run_dirs), json_path, per_step, baseline, max_regression, plot, what_if))
+    code = run_profile(ProfileArgs(tuple(run_dirs), json_path, per_step, baseline, max_regression, plot, what_if,
+                                   max_trace_bytes, max_events, strict))
     if code != EXIT_OK:
         raise typer.Exit(code)

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from cpdpkit._values import refuse_nonfinite
 from cpdpkit.emulator._counters import GroupCounters
 from cpdpkit.emulator._link import EmulatedWork, Link
 from cpdpkit.emulator._sync import GroupClock, UplinkBook
@@ -82,6 +83,7 @@ class EmulatorConfig:
     faults: FaultPlan | None = None
 
     def __post_init__(self) -> None:
+        refuse_nonfinite(self, DistributedSetupError)
         if isinstance(self.topology, TopologySpec):
             raise DistributedSetupError(
                 f"topology {self.topology.name!r} is not placed; call topology.place(world_size) first"

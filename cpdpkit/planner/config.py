@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar, cast
 
+from cpdpkit._values import refuse_nonfinite
 from cpdpkit.errors import ConfigError
 
 __all__ = ["PlannerConfig", "PlannerError", "DTYPE_BYTES", "PARAM_SHARDINGS", "dtype_bytes", "parse_bytes",
@@ -138,6 +139,7 @@ class PlannerConfig(Record):
     reconcile_period: int | None = None
 
     def __post_init__(self) -> None:
+        refuse_nonfinite(self, PlannerError)
         object.__setattr__(self, "param_dtype", _canonical_dtype(self.param_dtype))
         object.__setattr__(self, "grad_dtype", _canonical_dtype(self.grad_dtype))
         v = self.optim_state_bytes_per_param

@@ -1,6 +1,6 @@
 """Communication-controlled data parallelism: DDP, LocalSGD, SlowMo and CPDP in one wrapper."""
 
-from cpdpkit.sync.config import BUFFER_POLICIES, STATE_POLICIES, STRATEGIES, StepKind, SyncConfig
+from cpdpkit.sync.config import BUFFER_POLICIES, CPDP_ORDERS, STATE_POLICIES, STRATEGIES, StepKind, SyncConfig
 from cpdpkit.sync.groups import hierarchical_groups
 from cpdpkit.sync.optimizer import PeriodicSyncOptimizer
 from cpdpkit.sync.stats import SyncStats
@@ -13,5 +13,6 @@ __all__ = [
     "STRATEGIES",
     "BUFFER_POLICIES",
     "STATE_POLICIES",
+    "CPDP_ORDERS",
     "hierarchical_groups",
 ]

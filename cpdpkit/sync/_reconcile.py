@@ -19,6 +19,11 @@ Buffers follow the same rule (``b ← b̃ + (b − b_n)``, ``b̃`` their average
 all-reduce is not delayed: the reconciliation's own inner step consumes it (launched from
 backward hooks, it overlaps backward as DDP's does). With ``period="auto"`` the controller's
 three numbers ride in the same all-reduce (:mod:`cpdpkit.sync.period_control`).
+
+``cpdp_order="average-then-step"`` (:mod:`cpdpkit.sync.config`): the average runs at the end of
+step ``n - 1`` (blocking) or is launched there (τ >= 1); the schedule marks ``n`` as the
+reconciliation, and :attr:`Reconciler.sync_step` names the step that then all-reduces its gradients:
+``n`` when blocking, ``a + 1`` when the late average is applied at the end of step ``a``.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from torch.profiler import record_function
 from cpdpkit.labels import SYNC
 from cpdpkit.sync._comm import Communicator
 from cpdpkit.sync._flat import SegmentedParameters
+from cpdpkit.sync._outer import OuterStep
 from cpdpkit.sync._state_policies import flatten_by_dtype, sync_buffers, sync_optimizer_state, write_back
 from cpdpkit.sync.config import SyncConfig
 from cpdpkit.sync.period_control import PeriodDecision, PeriodSchedule, decide_period, divergence
@@ -111,6 +117,10 @@ class Reconciler:
         self.schedule = PeriodSchedule(config)
         self.decisions: list[PeriodDecision] = []
         self.in_flight: _InFlight | None = None
+        # average-then-step: the schedule's reconciliation is the step after the average's
+        self._ahead = 1 if config.averages_first else 0
+        self.sync_step: int | None = None  # average-then-step: the step whose gradients are all-reduced
+        self.outer = OuterStep(config, flat)
         self.mark(0)
 
     # -- measuring (period="auto") ---------------------------------------------------------
@@ -164,15 +174,15 @@ class Reconciler:
         sync_buffers(self._world, self._buffers(), cfg.buffers, cfg.bucket_cap_bytes)
         sync_optimizer_state(self._slow, self._optim, self._params, cfg.optimizer_state,
                              cfg.bucket_cap_bytes)
-        self.schedule.reconciled(n)
+        self.schedule.reconciled(n + self._ahead)
+        self.sync_step = n + 1
 
     def _outer_update(self, averages: list[torch.Tensor]) -> None:
-        """SlowMo on ``averages`` (they become x0), or for localsgd-auto the new reference."""
+        """The outer step on ``averages`` (they become x0), or for localsgd-auto the new reference."""
         cfg = self.config
         if cfg.uses_slowmo:
             with record_function(SYNC.SLOWMO_UPDATE.label):  # local arithmetic, not communication
-                self._flat.slowmo_update(self._optim.param_groups, beta=float(cfg.slowmo_momentum),
-                                         alpha=float(cfg.slowmo_lr), averages=averages)
+                self.outer.update(self._optim.param_groups, averages)
         elif cfg.auto:
             self._flat.set_anchor(averages)
 
@@ -191,7 +201,7 @@ class Reconciler:
             works = self._slow.average_async(sent, cfg.bucket_cap_bytes)
             works += buffers.launch(self._world, cfg.bucket_cap_bytes)
         self.in_flight = _InFlight(n, n + cfg.overlap_steps, measured, sent, launched, buffers, works)
-        self.schedule.reconciled(n)
+        self.schedule.reconciled(n + self._ahead)
 
     def wait(self) -> None:
         """Wait for the average in flight (it stays pending until :meth:`apply`)."""
@@ -224,6 +234,7 @@ class Reconciler:
         if self.config.optimizer_state == "reset":
             self._optim.state.clear()
         self.in_flight = None
+        self.sync_step = n + 1
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -238,12 +249,15 @@ class Reconciler:
                 "sent": [t.clone() for t in flight.sent], "launched": [t.clone() for t in flight.launched],
                 "buffers": [[sent.clone(), launched.clone()] for _, sent, launched, _ in flight.buffers.groups],
             }
-        return {"schedule": self.schedule.state_dict(),
+        return {"schedule": self.schedule.state_dict(), "sync_step": self.sync_step, "outer": self.outer.state_dict(),
                 "decisions": [d.to_dict() for d in self.decisions], "in_flight": pending}
 
     def load_state_dict(self, own: dict[str, Any], step: int) -> None:
         self.schedule.load_state_dict(own.get("schedule"), step)
         self.decisions = [PeriodDecision.from_dict(d) for d in own.get("decisions", [])]
+        self.outer.load_state_dict(own.get("outer"))
+        sync_step = own.get("sync_step")
+        self.sync_step = None if sync_step is None else int(sync_step)
         pending = own.get("in_flight")
         self.in_flight = None
         if pending is not None:

@@ -26,8 +26,10 @@ __all__ = ["STATE_VERSION", "is_executor", "resolve_config", "validate_objects",
            "validate_sharded", "validate_executor", "check_params_in_model", "split_checkpoint"]
 
 # 1: {"inner": <inner state dict>, "cpdpkit": ...}; 2: torch's standard dict plus "cpdpkit";
-# 3: "cpdpkit" also holds the schedule, the controller's decisions and a reconciliation in flight.
-STATE_VERSION = 3
+# 3: "cpdpkit" also holds the schedule, the controller's decisions and a reconciliation in flight;
+# 4: the config holds cpdp_order and "cpdpkit" the next synchronous step ("sync_step"). A cpdp
+# checkpoint of versions 1-3 was written by cpdp's step-then-average order.
+STATE_VERSION = 4
 _CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(SyncConfig))
 _EXECUTOR_FIX = ("build the executor on one site's sub-mesh: mesh = init_device_mesh(device, (num_sites, R, S), "
                  "mesh_dim_names=('site', 'replicate', 'shard')), TwoStageExecutor(..., mesh=mesh['replicate', "
@@ -178,7 +180,7 @@ def split_checkpoint(state_dict: dict[str, Any], config: SyncConfig, layout: lis
     version = own.get("version")
     if version == 1:  # written before the wrapper used torch's standard layout
         inner_state = state_dict["inner"]
-    elif version in (2, STATE_VERSION):
+    elif version in (2, 3, STATE_VERSION):
         inner_state = {k: v for k, v in state_dict.items() if k != "cpdpkit"}
     else:
         raise ConfigError(
@@ -190,6 +192,12 @@ def split_checkpoint(state_dict: dict[str, Any], config: SyncConfig, layout: lis
         raise ConfigError(
             f"checkpoint was saved with strategy {saved.strategy!r}, this optimizer uses "
             f"{config.strategy!r}: construct it with strategy={saved.strategy!r}"
+        )
+    saved_order = own["config"].get("cpdp_order", "step-then-average")  # versions 1-3: the old order
+    if config.strategy == "cpdp" and saved_order != config.cpdp_order:
+        raise ConfigError(
+            f"checkpoint was saved by cpdp with cpdp_order={saved_order!r}, this optimizer uses "
+            f"{config.cpdp_order!r}: construct it with cpdp_order={saved_order!r} to resume it"
         )
     if own.get("in_flight") is not None and not config.overlap_steps:
         raise ConfigError(

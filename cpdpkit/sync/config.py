@@ -12,23 +12,51 @@ The schedule is pure arithmetic on the step counter ``n`` (optimizer steps, coun
 
 ``overlap_steps`` (τ) does not change which steps reconcile, only when a reconciliation's result
 is applied: τ steps after its launch, or at the next reconciliation if that comes first.
+
+``cpdp``'s reconciliation, ``cpdp_order="average-then-step"`` (the default): the reconciliation
+step ``n`` (``(n - W) % K == 0``) is a *synchronous step*. At the end of step ``n - 1`` the replicas
+are averaged and SlowMo's outer update applied, so step ``n``'s forward and backward run at the
+consensus point; its gradients are all-reduced (under backward, in buckets) and the inner step takes
+the mean gradient. With plain SGD the replicas leave step ``n`` identical; with optimizer state
+(momentum, Adam's moments) they differ only by what their states differ by. The all-reduce now
+changes the parameters: ``cpdp`` is not ``slowmo``.
+
+* warm-up: steps ``n <= W`` all-reduce gradients as DDP; the replicas are identical at the end of
+  step ``W`` (or after the initial broadcast when ``W = 0``), which is the consensus of the first
+  synchronous step if that is ``W + 1``: no average runs at the end of step ``W``. The first period
+  therefore holds ``K - 1`` local steps, every later one ``K`` steps (one synchronous, ``K - 1``
+  local) from one outer update to the next.
+* ``K = 1``: every step is synchronous and is followed by an average and outer update (on
+  identical replicas with plain SGD: SGD with SlowMo's outer momentum).
+* ``overlap_steps`` τ >= 1: the average launched at the end of step ``n - 1`` is applied at the end
+  of step ``a = min(n - 1 + τ, next launch)`` (``x ← x̃ + (x − x_launch)``), and the synchronous step
+  is ``a + 1``: it follows the late average, not the schedule's ``n``.
+* ``period="auto"``: the controller decides at each average (the numbers ride in it), and the gap
+  to the next synchronous step is the K decided, as for the other order.
+
+``cpdp_order="step-then-average"`` keeps the order before this option: the reconciliation step
+all-reduces gradients, takes its inner step, then averages (with plain SGD it equals ``slowmo``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cpdpkit._values import is_int
+from cpdpkit._values import is_int, refuse_nonfinite
 from cpdpkit.errors import ConfigError
 
 __all__ = [
     "STRATEGIES",
     "BUFFER_POLICIES",
     "STATE_POLICIES",
+    "CPDP_ORDERS",
+    "OUTER_OPTIMIZERS",
+    "is_torch_optimizer_name",
     "StepKind",
     "SyncConfig",
 ]
@@ -36,6 +64,19 @@ __all__ = [
 STRATEGIES = ("ddp", "localsgd", "slowmo", "cpdp")
 BUFFER_POLICIES = ("average", "broadcast", "local")
 STATE_POLICIES = ("keep", "average", "reset")
+CPDP_ORDERS = ("average-then-step", "step-then-average")
+OUTER_OPTIMIZERS = ("slowmo", "diloco")  # named outer steps; any torch.optim class name too
+
+
+def is_torch_optimizer_name(name: str) -> bool:
+    """Whether ``name`` is a ``torch.optim.Optimizer`` subclass in ``torch.optim`` (imported only then:
+    this module stays torch-free for the named ones)."""
+    if not name.isidentifier() or name.startswith("_"):
+        return False
+    import torch.optim
+
+    cls = getattr(torch.optim, name, None)
+    return isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer
 
 
 class StepKind(enum.StrEnum):
@@ -71,6 +112,16 @@ class SyncConfig:
     set, the replicas' relative divergence ‖x_i − x̄‖/‖x̄‖ below it
     (:mod:`cpdpkit.sync.period_control`).
 
+    ``cpdp_order`` is where ``cpdp``'s gradient all-reduce sits in its reconciliation (module
+    docstring): ``"average-then-step"`` (average, then one synchronous step from the consensus) or
+    ``"step-then-average"`` (the synchronous step, then the average; equal to ``slowmo`` with plain
+    SGD). Other strategies ignore it.
+
+    ``outer_optimizer`` is the outer step of ``slowmo`` and ``cpdp`` on the pseudo-gradient ``anchor −
+    average`` (:mod:`cpdpkit.sync._outer`): ``"slowmo"`` (β = ``slowmo_momentum``, α = ``slowmo_lr``),
+    ``"diloco"`` (Nesterov SGD, lr 0.7, momentum 0.9) or a ``torch.optim`` class name, with
+    ``outer_lr`` and ``outer_momentum`` (None: the named one's, or lr 1.0 and the class's default).
+
     ``check_replicas`` verifies with one checksum all-reduce that every replica holds identical
     parameters: after each reconciliation (with ``overlap_steps``: the reconciled value when it is
     applied, since the applied parameters keep each rank's local progress), and for ``ddp``, whose
@@ -82,7 +133,7 @@ class SyncConfig:
     """
 
     strategy: str = "cpdp"
-    period: int = 4
+    period: int | str | None = None  # None: 1 for ddp (it has no period), else 4
     warmup_steps: int = 0
     slowmo_momentum: float = 0.5
     slowmo_lr: float = 1.0
@@ -96,9 +147,27 @@ class SyncConfig:
     k_max: int = 8
     max_divergence: float | None = None
     check_replicas: bool = False
+    cpdp_order: str = "average-then-step"
+    outer_optimizer: str = "slowmo"
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, (list, tuple, set)):
+                raise ConfigError(
+                    f"{f.name} takes one value, got {value!r}: construct one optimizer per value (cpdpkit bench "
+                    "sweeps --periods, --slowmo-momentum and --outer-lr)"
+                )
+        refuse_nonfinite(self, ConfigError)
         _choice("strategy", self.strategy, STRATEGIES)
+        _choice("cpdp_order", self.cpdp_order, CPDP_ORDERS)
+        if self.strategy == "ddp" and self.period not in (None, 1):
+            raise ConfigError(f"period = {self.period!r} with strategy 'ddp': ddp all-reduces gradients every step "
+                              "and has no period; leave period unset (or 1), or use strategy 'cpdp' for K steps")
+        if self.period is None:
+            object.__setattr__(self, "period", 1 if self.strategy == "ddp" else 4)
         _choice("buffers", self.buffers, BUFFER_POLICIES)
         _choice("optimizer_state", self.optimizer_state, STATE_POLICIES)
         if self.period != "auto" and (not is_int(self.period) or self.period < 1):
@@ -107,6 +176,7 @@ class SyncConfig:
                 "pass period=1 to reconcile every step, a larger K, or 'auto'"
             )
         self._check_overlap_and_auto()
+        self._check_outer()
         if not is_int(self.warmup_steps) or self.warmup_steps < 0:
             raise ConfigError(
                 f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}: "
@@ -135,6 +205,29 @@ class SyncConfig:
                 f"timeout_s must be > 0 or None, got {self.timeout_s!r}: "
                 "pass None to use the process group's timeout"
             )
+
+    def _check_outer(self) -> None:
+        name = self.outer_optimizer
+        if not isinstance(name, str) or (name not in OUTER_OPTIMIZERS and not is_torch_optimizer_name(name)):
+            raise ConfigError(
+                f"outer_optimizer {name!r} is not a torch optimizer: pass 'slowmo', 'diloco' or the name of a "
+                "torch.optim.Optimizer class, e.g. 'SGD' or 'Adam'"
+            )
+        if name != "slowmo" and self.strategy not in ("slowmo", "cpdp"):
+            raise ConfigError(
+                f"outer_optimizer={name!r} with strategy {self.strategy!r}: only slowmo and cpdp take an outer "
+                "step; use one of them, or leave outer_optimizer='slowmo'"
+            )
+        if name == "slowmo" and (self.outer_lr is not None or self.outer_momentum is not None):
+            raise ConfigError(
+                "outer_lr/outer_momentum with outer_optimizer='slowmo': SlowMo's are slowmo_lr and "
+                "slowmo_momentum; pass those, or another outer_optimizer"
+            )
+        if self.outer_lr is not None and not (not isinstance(self.outer_lr, bool) and float(self.outer_lr) > 0.0):
+            raise ConfigError(f"outer_lr must be > 0 or None, got {self.outer_lr!r}: DiLoCo's is 0.7")
+        if self.outer_momentum is not None and not 0.0 <= float(self.outer_momentum) < 1.0:
+            raise ConfigError(f"outer_momentum must be in [0, 1) or None, got {self.outer_momentum!r}: "
+                              "DiLoCo's is 0.9")
 
     def _check_overlap_and_auto(self) -> None:
         if not is_int(self.overlap_steps) or self.overlap_steps < 0:
@@ -207,8 +300,15 @@ class SyncConfig:
         return kind is StepKind.RECONCILE and self.strategy == "cpdp"
 
     def averages_parameters(self, n: int) -> bool:
-        """Whether step ``n`` averages parameters after its inner step."""
+        """Whether step ``n`` averages parameters after its inner step (blocking, fixed period)."""
+        if self.averages_first:
+            return n > self.warmup_steps and self.step_kind(n + 1) is StepKind.RECONCILE
         return self.step_kind(n) is StepKind.RECONCILE
+
+    @property
+    def averages_first(self) -> bool:
+        """``cpdp`` with ``cpdp_order="average-then-step"``: the average precedes the synchronous step."""
+        return self.strategy == "cpdp" and self.cpdp_order == "average-then-step"
 
     @property
     def uses_slowmo(self) -> bool:
@@ -247,4 +347,9 @@ class SyncConfig:
             ("optimizer_state", STATE_POLICIES.index(self.optimizer_state), STATE_POLICIES),
             ("bucket_cap_bytes", self.bucket_cap_bytes, None),
             ("check_replicas", int(self.check_replicas), None),
+            ("cpdp_order", CPDP_ORDERS.index(self.cpdp_order), CPDP_ORDERS),
+            ("outer_optimizer (crc32)", zlib.crc32(self.outer_optimizer.encode()), None),
+            ("outer_lr (x 1e9, 0: default)", round(float(self.outer_lr or 0.0) * 1e9), None),
+            ("outer_momentum (x 1e9, -1: default)",
+             -1 if self.outer_momentum is None else round(float(self.outer_momentum) * 1e9), None),
         ]

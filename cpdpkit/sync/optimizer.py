@@ -125,6 +125,10 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         # Validation happens before any collective: a user mistake must not hang a peer.
         self.config = resolve_config(config, options)
         self._executor = model if is_executor(model) else None
+        if isinstance(optimizer, torch.optim.Optimizer) and not any(g["params"] for g in optimizer.param_groups):
+            raise ConfigError(f"the {type(optimizer).__name__} optimizer holds no parameters: there is nothing to "
+                              f"synchronise; pass one built from the model, e.g. {type(optimizer).__name__}"
+                              "(model.parameters(), ...)")
         validate_objects(optimizer, model, anchor_dtype, wrapper=PeriodicSyncOptimizer)
         validate_groups(self.config, model, group, fast_group, slow_group)
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -235,6 +239,8 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
                 bucket_cap_bytes=self.config.bucket_cap_bytes,
                 target=self._gradient_target,
             )
+        if self.config.warmup_steps == 0:
+            self._begin_periodic_phase()
         self._arm_next_step()
         self._reconciler.mark(0)
 
@@ -285,7 +291,24 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         return self._reconciler.schedule.kind(self._step + 1)
 
     def _syncs_gradients(self, n: int) -> bool:
-        return self.config.kind_syncs_gradients(self._reconciler.schedule.kind(n))
+        kind = self._reconciler.schedule.kind(n)
+        if self.config.averages_first and kind not in (StepKind.DDP, StepKind.WARMUP):
+            return n == self._reconciler.sync_step  # the step after an applied average
+        return self.config.kind_syncs_gradients(kind)
+
+    def _averages_after(self, n: int) -> bool:
+        """Whether step ``n`` ends with a (blocking or launched) average."""
+        if self.config.averages_first:
+            return n > self.config.warmup_steps and self._reconciler.schedule.kind(n + 1) is StepKind.RECONCILE
+        return self._reconciler.schedule.kind(n) is StepKind.RECONCILE
+
+    def _begin_periodic_phase(self) -> None:
+        """average-then-step: when the first periodic step is a reconciliation (K = 1), the replicas are
+        already at a consensus (the broadcast, or warm-up's all-reduced steps): it is synchronous as it is."""
+        first = self.config.warmup_steps + 1
+        if self.config.averages_first and self._reconciler.schedule.kind(first) is StepKind.RECONCILE:
+            self._reconciler.schedule.reconciled(first)
+            self._reconciler.sync_step = first
 
     def _gradient_target(self) -> Communicator | None:
         """The communicator the coming step's gradients are averaged over (hook time)."""
@@ -329,7 +352,7 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
                 loss = closure()
         n = self._step + 1
         kind = self._reconciler.schedule.kind(n)
-        syncs = self.config.kind_syncs_gradients(kind)
+        syncs = self._syncs_gradients(n)
         target = self._gradient_target()
         if self._buckets is not None and target is not None:
             self._buckets.finish(target)  # an executor's: the means land in its own gradient tensors
@@ -353,23 +376,27 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
 
     def _after_inner_step(self, n: int, kind: StepKind) -> None:
         """What step ``n`` does after the inner update: reconcile, apply an average in flight, buffers."""
-        if kind is StepKind.RECONCILE:
-            self._counts["reconciliations"] += 1
-            if self.config.overlap_steps:
-                self._reconciler.launch(n)
-            else:
-                self._reconciler.reconcile_blocking(n)
-        elif kind in (StepKind.DDP, StepKind.WARMUP):
+        if kind in (StepKind.DDP, StepKind.WARMUP):
             sync_buffers(self._comm, self._buffers(), self.config.buffers, self.config.bucket_cap_bytes)
             if kind is StepKind.DDP and self.config.check_replicas:  # ddp's replicas are identical after every step
                 check_replicas(self._comm, self._named_values(self._flat.pack()), when=f"after step {n}")
         else:
-            self._counts["local_steps"] += 1
-            self._reconciler.apply(n, force=False)  # an overlapped average due at this step
+            if kind is StepKind.LOCAL:
+                self._counts["local_steps"] += 1
+            if self._averages_after(n):
+                self._counts["reconciliations"] += 1
+                if self.config.overlap_steps:
+                    self._reconciler.launch(n)
+                else:
+                    self._reconciler.reconcile_blocking(n)
+            else:
+                self._reconciler.apply(n, force=False)  # an overlapped average due at this step
         if self._keeps_anchor and n == self.config.warmup_steps:
             # The periodic phase starts here: SlowMo's anchor is the post-warm-up parameters.
             self._flat.capture_anchor()
             self._reconciler.mark(n)
+        if n == self.config.warmup_steps > 0:
+            self._begin_periodic_phase()
 
     # -- over a slice executor (TwoStageExecutor): the hooks it calls ----------------------------------
     def defers_exchange(self) -> bool:
@@ -377,7 +404,7 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         slices after their update (a reconciliation, or an overlapped average due): then the executor
         updates in :meth:`step`, after the gradients arrived, and exchanges only after :meth:`after_updates`."""
         n = self._step + 1
-        if self._reconciler.schedule.kind(n) is StepKind.RECONCILE or self.gradient_sync_due():
+        if self._averages_after(n) or self.gradient_sync_due():
             return True
         flight = self._reconciler.in_flight
         return flight is not None and n >= flight.apply_step

@@ -163,7 +163,9 @@ class PeriodSchedule:
             return StepKind.DDP
         if n <= c.warmup_steps:
             return StepKind.WARMUP
-        return StepKind.RECONCILE if n == self.last_reconcile + self.gap else StepKind.LOCAL
+        # n == last_reconcile: average-then-step marks its reconciliation at the average, one step ahead
+        due = n in (self.last_reconcile, self.last_reconcile + self.gap)
+        return StepKind.RECONCILE if due else StepKind.LOCAL
 
     def reconciled(self, n: int) -> None:
         self.last_reconcile, self.gap = n, self.period

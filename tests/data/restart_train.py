@@ -70,7 +70,8 @@ def build(name: str) -> tuple[nn.Module, Any]:
     if options is None:
         return model, _two_stage(model)
     inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    return model, PeriodicSyncOptimizer(inner, model=model, period=PERIOD, **options)
+    period = None if options.get("strategy") == "ddp" else PERIOD  # ddp has no period
+    return model, PeriodicSyncOptimizer(inner, model=model, period=period, **options)
 
 
 def train_step(model: nn.Module, opt: Any) -> None:

@@ -1,0 +1,70 @@
+"""Numeric options: NaN and infinities refused, world sizes bounded, ddp has no period, no empty optimizer."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from cpdpkit.errors import ConfigError, TopologyError
+from cpdpkit.sync import PeriodicSyncOptimizer, SyncConfig
+from cpdpkit.topology import MAX_RANKS, resolve_topology
+
+pytestmark = pytest.mark.timeout(120)
+FINITE = "is not a finite number; pass a real value (NaN and infinities are refused)"
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", "from cpdpkit.cli import main; main()", *args],
+                          capture_output=True, text=True, timeout=100)
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["bench", "--lr", "nan"], f"error: --lr nan {FINITE}"),
+    (["bench", "--lr", "inf"], f"error: --lr inf {FINITE}"),
+    (["bench", "--slowmo-lr", "nan"], f"error: --slowmo-lr nan {FINITE}"),
+    (["bench", "sharding", "--lr", "-inf"], f"error: --lr -inf {FINITE}"),
+    (["topology", "show", "cluster", "-n", "2147483646"],
+     "error: world_size = 2147483646 is too large; set it to a whole number <= 1,048,576 (the most ranks cpdpkit "
+     "plans or emulates: its work grows with the ranks)"),
+    (["plan", "--model", "resnet50", "--world-size", "1073741824"],
+     "error: world_size = 1073741824 is too large; set it to a whole number <= 1,048,576 (the most ranks cpdpkit "
+     "plans or emulates: its work grows with the ranks)"),
+])
+def test_cli_refuses_in_one_line(args: list[str], line: str) -> None:
+    proc = _cli(*args)
+    assert proc.returncode == 2 and proc.stderr.strip() == line, proc.stderr
+
+
+@pytest.mark.parametrize("field", ["slowmo_lr", "slowmo_momentum", "bucket_cap_mb", "timeout_s", "target_exposed_frac"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_sync_config_refuses_nonfinite(field: str, value: float) -> None:
+    with pytest.raises(ConfigError) as info:
+        SyncConfig(**{field: value})
+    assert str(info.value) == f"{field} = {value!r} {FINITE}"
+
+
+def test_a_topology_placing_more_than_max_ranks_is_refused() -> None:
+    assert resolve_topology("cluster", world_size=MAX_RANKS).world_size == MAX_RANKS
+    with pytest.raises(TopologyError):
+        resolve_topology("cluster", world_size=MAX_RANKS + 8)
+
+
+def test_ddp_has_no_period() -> None:
+    assert SyncConfig(strategy="ddp").period == 1 and SyncConfig().period == 4
+    assert SyncConfig(strategy="ddp", period=1).period == 1
+    with pytest.raises(ConfigError) as info:
+        SyncConfig(strategy="ddp", period=4)
+    assert str(info.value) == ("period = 4 with strategy 'ddp': ddp all-reduces gradients every step and has no "
+                               "period; leave period unset (or 1), or use strategy 'cpdp' for K steps")
+
+
+def test_an_optimizer_without_parameters_is_refused() -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(ConfigError) as info:
+        PeriodicSyncOptimizer(torch.optim.SGD([{"params": []}], lr=0.1), model=model)
+    assert str(info.value) == ("the SGD optimizer holds no parameters: there is nothing to synchronise; pass one "
+                               "built from the model, e.g. SGD(model.parameters(), ...)")
