@@ -70,13 +70,9 @@ def _issue(op: str, n: int, world: int, group: Any = None) -> Callable[[], Any]:
 
 def _gloo_s(fn: Callable[[], Any], gloo: Any, repeats: int) -> float:
     """Fastest seconds of ``fn`` (the same op on the plain gloo group): the emulator's floor."""
-    times = []
-    for _ in range(repeats):
-        dist.barrier(gloo)
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    from cpdpkit.emulator.metering import timed_runs
+
+    return min(timed_runs(fn, gloo, repeats))
 
 
 def _worker(rank: int, world: int, store: str, topology: str, repeats: int, out: str) -> None:

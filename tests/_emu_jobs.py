@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 from torch._C._profiler import _ExperimentalConfig
 
-import _planner_jobs as pj
+from _ranks import run_spawned
 from cpdpkit.emulator import EmulatorConfig, init_distributed, meter, register_emulated_backend
+from cpdpkit.emulator.metering import timed_runs
 from cpdpkit.topology import Tier, TopologySpec
 
 # Modeled times of 30-145 ms (latency and bandwidth terms both matter) dwarf gloo's own time and CPU noise.
@@ -47,6 +48,7 @@ NUM_JITTER_CALLS = 4
 TIMED_BYTES = 1024 * 1024
 FOUR_RANK_BYTES = 1024 * 1024
 NUM_TIMED_RUNS = 5
+REF_SLEEP_S = 0.03  # the reference call that measures how late this thread wakes under the load of the moment
 OVERLAP_COMPUTE_S = 0.05  # a busy loop until this much wall time has passed
 METER_BYTES = 1024
 CALL_LABEL = "test::all_reduce_call"
@@ -56,7 +58,7 @@ def spawn_job(job: str, world_size: int, tmp_path: Path, timeout_s: float = 150.
     """Run ``job`` on ``world_size`` spawned ranks and return each rank's result."""
     out = tmp_path / job
     out.mkdir()
-    return pj.run_spawned(_entry, (job, world_size, str(out)), world_size, out, timeout_s)
+    return run_spawned(_entry, (job, world_size, str(out)), world_size, out, timeout_s)
 
 
 def _entry(rank: int, job: str, world_size: int, out: str) -> None:
@@ -75,13 +77,7 @@ def _entry(rank: int, job: str, world_size: int, out: str) -> None:
 # ---- checks ------------------------------------------------------------------------------------
 def _timed_runs(op: Callable[[], Any], gloo: Any) -> list[float]:
     """Seconds of each of ``NUM_TIMED_RUNS`` runs of ``op``, each timed from this rank's exit of a barrier."""
-    times = []
-    for _ in range(NUM_TIMED_RUNS):
-        dist.barrier(gloo)
-        t0 = time.perf_counter()
-        op()
-        times.append(time.perf_counter() - t0)
-    return times
+    return timed_runs(op, gloo, NUM_TIMED_RUNS)
 
 
 def collective_times(world: int, gloo: Any, num_bytes: int = TIMED_BYTES) -> dict[str, list[float]]:
@@ -95,6 +91,8 @@ def collective_times(world: int, gloo: Any, num_bytes: int = TIMED_BYTES) -> dic
         "all_reduce": _timed_runs(lambda: dist.all_reduce(x), gloo),
         "all_gather": _timed_runs(lambda: dist.all_gather_into_tensor(gathered, torch.ones(n // world)), gloo),
         "reduce_scatter": _timed_runs(lambda: dist.reduce_scatter_tensor(scattered, x), gloo),
+        # this thread's own lateness at the time: a sleep of known length, timed the same way
+        "wake_late_s": max(t - REF_SLEEP_S for t in _timed_runs(lambda: time.sleep(REF_SLEEP_S), gloo)),
     }
 
 

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 import _planner_jobs as pj
+from _ranks import run_spawned
 
 NUM_STEPS = 3
 SLEEP_S = 0.03  # per unit boundary in a "slow" model's backward
@@ -149,7 +150,7 @@ def spawn_job(entry: Any, world_size: int, tmp_path: Path, name: str, args: tupl
               timeout_s: float) -> list[dict[str, Any]]:
     out = tmp_path / name
     out.mkdir()
-    return pj.run_spawned(entry, (world_size, str(out), *args), world_size, out, timeout_s)
+    return run_spawned(entry, (world_size, str(out), *args), world_size, out, timeout_s)
 
 
 # ---- TwoStageExecutor vs HSDP -----------------------------------------------------------------

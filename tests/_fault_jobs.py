@@ -1,9 +1,10 @@
 """One rank of a fault-injection or emulator-fidelity job (tests/test_faults.py, tests/test_emulator_fidelity.py).
 
-Run as ``python tests/_fault_jobs.py JOB RANK WORLD DIR TIMEOUT_S``: each rank its own process, so
-a test sees every rank's exit code and stderr. The faults come from ``CPDPKIT_FAULTS`` (set by
-the test), as a launched rank gets them. A rank ends like the CLI does: a ``CpdpkitError`` is one
-line on stderr and exit code 2; anything else would be a traceback (which the tests refuse).
+Run as ``python tests/_fault_jobs.py JOB RANK WORLD DIR TIMEOUT_S`` (:func:`run_ranks` starts them
+through tests/_ranks.py): each rank its own process, so a test sees every rank's exit code and
+stderr. The faults come from ``CPDPKIT_FAULTS`` (set by the test), as a launched rank gets them.
+A rank ends like the CLI does: a ``CpdpkitError`` is one line on stderr and exit code 2; anything
+else would be a traceback (which the tests refuse).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,33 @@ NUM_STEPS = 8
 NUM_BYTES = 4096
 CONTEND_BYTES = 1 << 20
 LATE_S, P2P_LATE_S = 0.08, 0.05  # how late rank 1 arrives in the skew job
+REF_SLEEP_S = 0.03  # the reference call that measures how late the ranks wake under the load of the moment
+
+
+@dataclass
+class RankRun:
+    returncode: int
+    stderr: str
+    ended_after_s: float
+    result: dict[str, Any] | None
+
+
+def run_ranks(job: str, tmp_path: Path, *, faults: str = "", timeout_s: float = 10.0, world: int = 2,
+              wall_s: float = 60.0) -> list[RankRun]:
+    """Start ``world`` rank processes of ``job`` (the test process's side: this file as a script per
+    rank); each one's exit code, stderr, end time and result. A rank still running after ``wall_s``
+    fails the test as a hang."""
+    from _ranks import run_processes
+
+    env = {**os.environ, "CPDPKIT_FAULTS": faults, "OMP_NUM_THREADS": "1"}
+    ended = run_processes([[sys.executable, __file__, job, str(r), str(world), str(tmp_path), str(timeout_s)]
+                           for r in range(world)], wall_s=wall_s, env=env)
+    runs = []
+    for r, end in enumerate(ended):
+        out = tmp_path / f"rank{r}.json"
+        runs.append(RankRun(end.returncode, end.output, end.ended_after_s,
+                            json.loads(out.read_text()) if out.exists() else None))
+    return runs
 
 
 def _train(rank: int, steps: int) -> dict[str, Any]:
@@ -73,6 +102,12 @@ def _skew(rank: int, gloo: Any) -> dict[str, Any]:
     return out
 
 
+def _wake_late_s(gloo: Any) -> float:
+    """How late the ranks end a plain sleep of known length, timed as the collectives are (the worst
+    of three): what the load of the moment adds to any timed call, the emulator's included."""
+    return max(makespan_s(lambda: time.sleep(REF_SLEEP_S), gloo) - REF_SLEEP_S for _ in range(3))
+
+
 def _contend(rank: int, gloo: Any) -> dict[str, Any]:
     """2 nodes x 2 ranks: the groups {0, 2} and {1, 3} cross the same two node uplinks."""
     pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
@@ -107,6 +142,7 @@ def main(job: str, rank: int, world: int, folder: str, timeout_s: float) -> None
         result.update(_skew(rank, gloo))
         if world == 4:
             result.update(_contend(rank, gloo))
+        result["wake_late_s"] = _wake_late_s(gloo)
         dist.barrier(gloo)
     result["world_size"] = info.world_size
     Path(folder, f"rank{rank}.json").write_text(json.dumps(result))

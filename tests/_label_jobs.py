@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import _planner_jobs as pj
+from _ranks import run_spawned
 
 NUM_STEPS = 4
 
@@ -22,7 +23,7 @@ NUM_STEPS = 4
 def spawn(tmp_path: Path, plan: dict[str, Any], timeout_s: float = 60.0) -> list[dict[str, Any]]:
     out = tmp_path / "labels"
     out.mkdir()
-    return pj.run_spawned(_entry, (4, str(out), plan), 4, out, timeout_s)
+    return run_spawned(_entry, (4, str(out), plan), 4, out, timeout_s)
 
 
 def _events(prof: Any) -> list[tuple[str, int, float, float]]:

@@ -9,10 +9,7 @@ what it saw to ``rank<R>.pt``.
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
-import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -21,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from _ranks import run_spawned
 from cpdpkit.topology import Tier, TopologySpec
 
 # The emulated case's links: two "sites" of two ranks, delays small enough to keep the test fast.
@@ -71,97 +69,6 @@ def spawn(world_size: int, tmp_path: Path, cases: list[dict[str, Any]], *, emula
     out = tmp_path / f"w{world_size}{'emu' if emulated else 'gloo'}"
     out.mkdir()
     return run_spawned(_entry, (world_size, str(out), cases, emulated), world_size, out, timeout_s)
-
-
-def run_phases(world_size: int, tmp_path: Path, phases: list[tuple[str, Any, int, tuple]],
-               timeout_s: float) -> dict[str, list[Any]]:
-    """One spawned group of ``world_size`` processes runs several jobs one after the other.
-
-    Each phase ``(name, entry, ranks, args)`` is a whole job of its own: ranks ``0..ranks-1`` call
-    ``entry(rank, ranks, out/name, *args)``, which starts a new process group (its own ``file://``
-    rendezvous in ``out/name``), saves ``rank<R>.pt`` and destroys the group (:func:`finish_rank`);
-    the other ranks sit the phase out. What each phase's ranks saved comes back by phase name.
-    Spawning (importing torch, FSDP and dynamo in every process) is paid once instead of per job."""
-    out = tmp_path / "phases"
-    for name, _entry_fn, _ranks, _args in phases:
-        (out / name).mkdir(parents=True)
-    run_spawned(_phases_entry, (str(out), phases), world_size, None, timeout_s)
-    return {name: [torch.load(out / name / f"rank{r}.pt", weights_only=False) for r in range(ranks)]
-            for name, _entry_fn, ranks, _args in phases}
-
-
-_SHARED: dict[str, tuple[Any, float, int]] = {}
-# The timeout of every test that uses the shared group: the first one to ask waits for all of it
-# (the owners' shares below add up to less).
-SHARED_TIMEOUT_S = 900
-
-
-def share_spawn(owner: str, build: Any, timeout_s: float, *, order: int = 0) -> None:
-    """Put test module ``owner``'s jobs (pass ``__name__``) into the session's one spawned group of 4
-    processes (the ``planner_spawn`` fixture of tests/conftest.py): ``build()`` returns its phases (as
-    for :func:`run_phases`), called when the first test asks for the group; ``timeout_s`` is its share
-    of the group's timeout. Owners run by ``order``, then as registered (a job that may leave its
-    process's state behind, e.g. a collective that timed out, goes last)."""
-    _SHARED[owner] = (build, timeout_s, order)
-
-
-def run_shared(tmp_path: Path, owners: set[str]) -> dict[str, dict[str, list[Any]]]:
-    """Run the phases of every registered owner in ``owners`` (the modules whose tests were collected:
-    running one test file spawns only its own jobs) in one spawned group; results by owner, then phase."""
-    shared = dict(sorted(((o, v) for o, v in _SHARED.items() if o in owners), key=lambda kv: kv[1][2]))
-    phases = [(f"{owner}.{name}", entry, ranks, args) for owner, (build, _t, _o) in shared.items()
-              for name, entry, ranks, args in build()]
-    done = run_phases(4, tmp_path, phases, timeout_s=sum(t for _b, t, _o in shared.values()))
-    out: dict[str, dict[str, list[Any]]] = {owner: {} for owner in shared}
-    for key, value in done.items():
-        owner, name = key.split(".", 1)
-        out[owner][name] = value
-    return out
-
-
-def _phases_entry(rank: int, out: str, phases: list[tuple[str, Any, int, tuple]]) -> None:
-    for name, entry, ranks, args in phases:
-        if rank < ranks:
-            _forget_earlier_meshes()
-            entry(rank, ranks, str(Path(out, name)), *args)
-
-
-def _forget_earlier_meshes() -> None:
-    """Start a phase with DTensor's process-wide caches empty, as in a fresh process.
-
-    Its sharding-propagation caches (Python and C++) key on DeviceMesh equality (ranks, layout, dim
-    names), so a new phase's mesh would hit entries holding an earlier phase's mesh, whose process
-    groups were destroyed (or, since c10d numbers groups from 0 again, renamed)."""
-    if "torch.distributed.tensor" not in sys.modules:
-        return
-    import torch.distributed.tensor._random as dtensor_random
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
-
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    propagator.propagate_op_sharding.cache_clear()
-    propagator._propagate_tensor_meta_cached.cache_clear()
-    torch._C._clear_DTensor_sharding_propagator_cache()
-    clear_redistribute_planner_cache()
-    dtensor_random._rng_tracker = None
-    gc.collect()
-
-
-def run_spawned(entry: Any, args: tuple, world_size: int, out: Path | None, timeout_s: float) -> list[Any]:
-    """Start ``entry(rank, *args)`` on ``world_size`` spawned processes, kill them all after
-    ``timeout_s``, and return what each rank saved as ``out/rank<R>.pt``."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(entry, args=args, nprocs=world_size, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError(f"{world_size} ranks did not finish in {timeout_s} s")
-    if out is None:
-        return []
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
 
 
 def init_rank(rank: int, world_size: int, out: str, *, emulated: bool) -> Any:

@@ -1,4 +1,4 @@
-"""Per-rank scenario functions for the sync tests (run by tests.dist_utils.run_ranks).
+"""Per-rank scenario functions for the sync tests (run by tests/_ranks.py run_ranks).
 
 Each returns plain tensors/values so the test process can compare them with the reference
 in tests/sync_reference.py or with torch's own peers.

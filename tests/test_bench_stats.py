@@ -15,6 +15,7 @@ from rich.console import Console
 from torch import nn
 
 from _docs_tables import docs_tables as load_docs_tables
+from _ranks import SPAWN_TIMEOUT_S, share_fn
 from cpdpkit.bench.config import BenchConfig, RunSpec
 from cpdpkit.bench.report import aggregate, paired_difference, significant, t_quantile_975
 from cpdpkit.bench.strategies import StrategyRunner, build_lr_scheduler
@@ -289,11 +290,14 @@ def _bench_strategies_on_rank(rank: int, world: int) -> dict:
     return out
 
 
-@pytest.mark.slow
-def test_every_bench_strategy_gets_the_schedule_and_ours_the_sync_options():
-    from dist_utils import run_ranks
+# on 2 ranks of the session's one spawned group (tests/conftest.py planner_spawn)
+share_fn(__name__, "strategies", _bench_strategies_on_rank, 2, timeout_s=40.0)
 
-    res = run_ranks(_bench_strategies_on_rank, 2, timeout_s=50)[0]
+
+@pytest.mark.slow
+@pytest.mark.timeout(SPAWN_TIMEOUT_S)  # the first test to ask for planner_spawn waits for all of it
+def test_every_bench_strategy_gets_the_schedule_and_ours_the_sync_options(planner_spawn):
+    res = planner_spawn[__name__]["strategies"][0]
     for strategy, got in res.items():
         assert got["lrs"] == pytest.approx([0.1] * 4 + [0.01] * 2 + [0.001] * 2), strategy
         assert got["momentum"] == 0.9 and got["warnings"] == [], strategy

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import random
 import shutil
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +21,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from _ranks import SPAWN_TIMEOUT_S, share_fn
 from cpdpkit.checkpoint import Checkpointer, CheckpointError
 from cpdpkit.sync import PeriodicSyncOptimizer
-from dist_utils import run_ranks
 
 TOTAL_STEPS = 12
 CASES = {  # name: (sync options, steps completed at the save)
@@ -117,13 +116,19 @@ def _wrong_strategy(rank: int, root: Path) -> str:
 def _two_rank_job(rank: int, world: int, root: str) -> dict[str, Any]:
     out = {name: _resume_case(rank, name, Path(root)) for name in CASES}
     out["wrong_strategy"] = _wrong_strategy(rank, Path(root))
+    out["root"] = root
     return out
 
 
+# on 2 ranks of the session's one spawned group (tests/conftest.py planner_spawn), in a folder of its own
+share_fn(__name__, "resume", _two_rank_job, 2, timeout_s=90.0, root_kwarg="root")
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(150)
-def test_two_ranks_resume_bit_identical_and_keep_their_own_state(tmp_path: Path) -> None:
-    results = run_ranks(_two_rank_job, 2, timeout_s=120, root=str(tmp_path))
+@pytest.mark.timeout(SPAWN_TIMEOUT_S)  # the first test to ask for planner_spawn waits for all of it
+def test_two_ranks_resume_bit_identical_and_keep_their_own_state(planner_spawn) -> None:
+    results = planner_spawn[__name__]["resume"]
+    root = Path(results[0]["root"])
     for rank, res in enumerate(results):
         for name, (_, save_at) in CASES.items():
             case = res[name]
@@ -140,7 +145,7 @@ def test_two_ranks_resume_bit_identical_and_keep_their_own_state(tmp_path: Path)
     for name in ("cpdp-mid-period", "localsgd-mid-period", "cpdp-in-flight"):
         assert not _same(results[0][name]["saved_params"], results[1][name]["saved_params"]), name
     # every rank's state is its own set of DCP entries; nothing under a shared key
-    folder = next((tmp_path / "cpdp-mid-period").glob("step*"))
+    folder = next((root / "cpdp-mid-period").glob("step*"))
     keys = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
     assert {k.split("/", 1)[0] for k in keys} == {"rank0", "rank1"}
     assert {"rank0/model/0.weight", "rank1/model/0.weight"} <= set(keys)
@@ -149,15 +154,7 @@ def test_two_ranks_resume_bit_identical_and_keep_their_own_state(tmp_path: Path)
     assert any(k.startswith("rank1/optimizer/cpdpkit/anchor") for k in keys)
 
 
-# ---- one rank: atomicity, RNG, refusals ----------------------------------------------------------
-@pytest.fixture
-def world1():
-    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=30))
-    yield
-    dist.destroy_process_group()
-
-
+# ---- one rank (the world1 fixture of tests/conftest.py): atomicity, RNG, refusals ------------
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"every": 0}, "every = 0 is invalid; use a whole number of steps >= 1, e.g. every=100"),
     ({"every": 2.5}, "every = 2.5 is invalid; use a whole number of steps >= 1, e.g. every=100"),

@@ -3,21 +3,22 @@ its transfer, concurrent groups share a node's uplink, groups spanning tiers are
 hierarchically, all through the one network model (cpdpkit.network).
 
 The model's formulas are checked by hand with no process group; the emulator on 2 and 4 real
-gloo ranks (each rank its own process: tests/_fault_jobs.py). Timing bounds are loose on the
-upper side (a shared 2-core machine); benchmarks/emulator_sweep.py reports the accuracy itself.
+gloo ranks (each rank its own process: tests/_fault_jobs.py). No time is below the model; above
+it, a time may exceed the model by HIGH plus how late the same ranks ended a plain sleep timed the
+same way in the same job (the load of the moment; a shared 2-core machine);
+benchmarks/emulator_sweep.py reports the accuracy itself.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from _fault_jobs import CONTEND_BYTES, LATE_S, NUM_BYTES, P2P_LATE_S, TOPOLOGY
+from _fault_jobs import CONTEND_BYTES, LATE_S, NUM_BYTES, P2P_LATE_S, TOPOLOGY, RankRun, run_ranks
 from cpdpkit.errors import TopologyError
 from cpdpkit.network import concurrent_time_s
 from cpdpkit.topology import Tier, Topology, preset
-from test_faults import RankRun, run_ranks
 
-LOW, HIGH = 0.97, 1.25  # measured / modeled
+LOW, HIGH = 0.97, 1.25  # measured / modeled (HIGH: plus the job's own wake-up lateness, ``wake_late_s``)
 SLACK_S = 0.005  # 4 processes and their gloo threads on 2 shared cores: wake-ups of a few ms
 
 
@@ -90,14 +91,15 @@ def test_a_late_rank_delays_everyone_by_its_lateness(four: list[RankRun]) -> Non
     topo = TOPOLOGY.place(4)
     modeled = topo.collective_time_s("all_reduce", NUM_BYTES, range(4))
     times = four[0].result  # makespans from the moment every rank left a barrier: the same on every rank
-    assert LOW * modeled <= times["on_time"] <= HIGH * modeled + SLACK_S, times
+    slack_s = SLACK_S + max(0.0, times["wake_late_s"])
+    assert LOW * modeled <= times["on_time"] <= HIGH * modeled + slack_s, times
     # every rank completes at rank 1's arrival + the transfer (before: at its own issue + modeled).
     # The late rank's sleep starts when *it* leaves the barrier, which may be up to the barrier's
     # exit skew (a few ms on 2 busy cores) before the last rank leaves: hence SLACK_S below as well.
-    assert LOW * (LATE_S + modeled) - SLACK_S <= times["late"] <= HIGH * (LATE_S + modeled) + SLACK_S, times
+    assert LOW * (LATE_S + modeled) - SLACK_S <= times["late"] <= HIGH * (LATE_S + modeled) + slack_s, times
     # a recv completes at max(send issue, recv issue) + transfer
     p2p = P2P_LATE_S + topo.collective_time_s("send_recv", NUM_BYTES, [0, 1])
-    assert LOW * p2p - SLACK_S <= times["p2p"] <= HIGH * p2p + SLACK_S, times
+    assert LOW * p2p - SLACK_S <= times["p2p"] <= HIGH * p2p + slack_s, times
 
 
 @pytest.mark.slow
@@ -106,11 +108,12 @@ def test_two_groups_on_one_uplink_take_twice_as_long(four: list[RankRun]) -> Non
     topo = TOPOLOGY.place(4)
     one = topo.group([0, 2]).cost("all_reduce", CONTEND_BYTES)
     times = four[0].result
-    assert LOW * one.time_s <= times["alone"] <= HIGH * one.time_s + SLACK_S, times
+    slack_s = SLACK_S + max(0.0, times["wake_late_s"])
+    assert LOW * one.time_s <= times["alone"] <= HIGH * one.time_s + slack_s, times
     # first come, first served on the two node uplinks: one group ends at 1x, the other at 2x, the
     # model's makespan for two collectives sharing an uplink
     makespan = concurrent_time_s([one, one])
-    assert LOW * makespan <= times["together"] <= HIGH * makespan + SLACK_S, times
+    assert LOW * makespan <= times["together"] <= HIGH * makespan + slack_s, times
     world = topo.group(range(4)).cost("all_reduce", CONTEND_BYTES)
     assert world.algorithm == "hierarchical"
-    assert LOW * world.time_s <= times["world"] <= HIGH * world.time_s + SLACK_S, times
+    assert LOW * world.time_s <= times["world"] <= HIGH * world.time_s + slack_s, times

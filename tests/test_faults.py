@@ -5,62 +5,20 @@ rank ends within its timeout with one line naming the op, the group and the miss
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import subprocess
-import sys
-import time
 import tomllib
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from _fault_jobs import NUM_BYTES, TOPOLOGY
+from _fault_jobs import NUM_BYTES, TOPOLOGY, RankRun, run_ranks
 from cpdpkit._env import faults_from_env
 from cpdpkit.emulator.faults import FaultInjector, LinkDownError
 from cpdpkit.errors import DistributedSetupError, TopologyError
 from cpdpkit.faults import FaultPlan
 from cpdpkit.topology import parse_topology_toml
 
-JOB = Path(__file__).with_name("_fault_jobs.py")
 NUM_STEPS = 8  # tests/_fault_jobs.py's
-
-
-@dataclass
-class RankRun:
-    returncode: int
-    stderr: str
-    ended_after_s: float
-    result: dict[str, Any] | None
-
-
-def run_ranks(job: str, tmp_path: Path, *, faults: str = "", timeout_s: float = 10.0, world: int = 2,
-              wall_s: float = 60.0) -> list[RankRun]:
-    """Start ``world`` rank processes of ``job``; return each one's exit code, stderr, end time."""
-    env = {**os.environ, "CPDPKIT_FAULTS": faults, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(JOB), job, str(r), str(world), str(tmp_path), str(timeout_s)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-             for r in range(world)]
-    t0 = time.monotonic()
-    ended: dict[int, float] = {}
-    while len(ended) < world:
-        for r, p in enumerate(procs):
-            if r not in ended and p.poll() is not None:
-                ended[r] = time.monotonic() - t0
-        if time.monotonic() - t0 > wall_s:
-            for p in procs:
-                p.kill()
-            pytest.fail(f"ranks {sorted(set(range(world)) - set(ended))} still running after {wall_s} s: a hang")
-        time.sleep(0.02)
-    runs = []
-    for r, p in enumerate(procs):
-        out = tmp_path / f"rank{r}.json"
-        runs.append(RankRun(p.returncode, p.stderr.read(), ended[r],  # type: ignore[union-attr]
-                            json.loads(out.read_text()) if out.exists() else None))
-    return runs
 
 
 def _one_line(run: RankRun) -> str:

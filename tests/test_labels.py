@@ -8,6 +8,8 @@ import torch
 
 import _label_jobs as jobs
 import _planner_jobs as pj
+from _executor_checks import check_collectives_labelled
+from _ranks import SPAWN_TIMEOUT_S, share_spawn
 from cpdpkit import labels
 from cpdpkit.planner import PlannerConfig, plan_sharding
 from cpdpkit.profiler.classify import classify_name
@@ -47,26 +49,6 @@ def test_emu_label_round_trip() -> None:
     assert labels.parse_emu_label("cpdpkit::sync::grad_wait") is None
 
 
-def _inside(event: tuple, spans: list[tuple]) -> bool:
-    _, thread, start, end = event
-    return any(t == thread and s <= start and end <= e for _, t, s, e in spans)
-
-
-def _check_collectives_labelled(events: list[tuple], allowed_foreign: tuple[str, ...]) -> set[str]:
-    """Every c10d call site runs inside a cpdpkit communication phase (or a foreign library's own
-    span, e.g. FSDP2's); returns the cpdpkit phases seen."""
-    comm = [e for e in events if (p := labels.phase_by_label(e[0])) is not None and p.is_communication]
-    foreign = [e for e in events if e[0].startswith(allowed_foreign)] if allowed_foreign else []
-    calls = [e for e in events if e[0].startswith("c10d::")]
-    assert calls, "no collective seen at all"
-    bare = [e[0] for e in calls if not _inside(e, comm) and not _inside(e, foreign)]
-    assert not bare, f"collectives without a cpdpkit label: {sorted(set(bare))}"
-    local = [e for e in events if (p := labels.phase_by_label(e[0])) is not None and not p.is_communication]
-    inside_local = [e[0] for e in calls if _inside(e, local) and not _inside(e, comm)]
-    assert not inside_local, f"collectives inside a local-work label: {inside_local}"
-    return {labels.phase_by_label(e[0]) for e in events if labels.phase_by_label(e[0]) is not None}
-
-
 def _plan():
     config = PlannerConfig(param_dtype="float32", grad_dtype="float32", optim_state_bytes_per_param=8,
                            min_unit_bytes=1000)
@@ -75,22 +57,22 @@ def _plan():
 
 
 # the 4-rank job runs in the session's one spawned group of 4 processes (tests/conftest.py planner_spawn)
-pj.share_spawn(__name__, lambda: [("labels", jobs._entry, 4, (_plan().to_dict(),))], timeout_s=80.0)
+share_spawn(__name__, lambda: [("labels", jobs._entry, 4, (_plan().to_dict(),))], timeout_s=80.0)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(pj.SHARED_TIMEOUT_S)  # the first test to ask for planner_spawn waits for all of it
+@pytest.mark.timeout(SPAWN_TIMEOUT_S)  # the first test to ask for planner_spawn waits for all of it
 def test_every_collective_cpdpkit_issues_is_labelled(planner_spawn) -> None:
     plan = _plan()
     assert plan.mesh.shape == (2, 2) and plan.state_sharding.axis == "replicate"
     results = planner_spawn[__name__]["labels"]
     assert len(results) == 4
     for rank, saved in enumerate(results):
-        seen = _check_collectives_labelled(saved["sync"], ())
+        seen = check_collectives_labelled(saved["sync"], ())
         s = labels.SYNC
         assert {s.CONFIG_CHECK, s.BROADCAST_INIT, s.GRAD_ALLREDUCE, s.GRAD_WAIT, s.PARAM_AVERAGE,
                 s.BUFFER_SYNC, s.STATE_SYNC, s.SLOWMO_UPDATE} <= seen, (rank, seen)
-        seen = _check_collectives_labelled(saved["executor"], ("FSDP::",))
+        seen = check_collectives_labelled(saved["executor"], ("FSDP::",))
         h = labels.SHARD
         assert {h.GRAD_REDUCE_SCATTER, h.GRAD_WAIT, h.GRAD_NORM, h.PARAM_ALL_GATHER, h.PARAM_WAIT,
                 h.UPDATE} <= seen, (rank, seen)

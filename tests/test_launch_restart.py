@@ -39,10 +39,10 @@ def test_rank_killed_mid_period_resumes_bit_identical(tmp_path: Path) -> None:
     killed.mkdir()
     clean.mkdir()
     # One launch: its first attempt's ranks (fresh processes, restart count 0) first train the uninterrupted
-    # reference into clean/, then the run that rank 1 kills in step 41; the restarted attempt resumes only
+    # reference into clean/, then the run that rank 1 kills in step 17; the restarted attempt resumes only
     # that run (a second launch just for the reference cost a launcher and two ranks' start-up).
     proc = _cli("launch", "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", str(killed / "logs"), SCRIPT,
-                str(killed), "--steps", "60", "--every", "8", "--kill-rank", "1", "--kill-step", "41",
+                str(killed), "--steps", "28", "--every", "8", "--kill-rank", "1", "--kill-step", "17",
                 "--clean-first", str(clean))
     assert proc.returncode == 0, proc.stderr
     assert "restarted 1 time(s)" in proc.stdout, proc.stdout
@@ -51,21 +51,21 @@ def test_rank_killed_mid_period_resumes_bit_identical(tmp_path: Path) -> None:
 
     for rank, (resumed, uninterrupted) in enumerate(zip(_finals(killed), _finals(clean))):
         assert resumed["restart"] == 1 and uninterrupted["restart"] == 0
-        assert resumed["starts"] == dict.fromkeys(SETUPS, 40), resumed["starts"]  # the checkpoint before step 41
+        assert resumed["starts"] == dict.fromkeys(SETUPS, 16), resumed["starts"]  # the checkpoint before step 17
         assert uninterrupted["starts"] == dict.fromkeys(SETUPS, 0)
         for setup in SETUPS:
             got, want = resumed["params"][setup], uninterrupted["params"][setup]
             assert got.keys() == want.keys()
             for name in want:
                 assert torch.equal(got[name], want[name]), f"{setup} {name} rank {rank}"
-    # step 60 is mid-period (2 warm-up steps, K=4): the periodic setups' replicas really differ, so each
+    # step 28 is mid-period (2 warm-up steps, K=4): the periodic setups' replicas really differ, so each
     # rank had to get its own state back
     rank0, rank1 = _finals(clean)
     for setup in PERIODIC:
         assert any(not torch.equal(rank0["params"][setup][n], rank1["params"][setup][n])
                    for n in rank0["params"][setup]), setup
     # the checkpoints themselves: the last two kept, each committed with its metadata
-    assert sorted(p.name for p in (killed / "ckpt" / "cpdp").iterdir()) == ["step00000048", "step00000056"]
+    assert sorted(p.name for p in (killed / "ckpt" / "cpdp").iterdir()) == ["step00000016", "step00000024"]
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, True, "2"])

@@ -23,10 +23,11 @@ import torch
 import torch.distributed as dist
 
 import _planner_jobs as pj
+from _ranks import SPAWN_TIMEOUT_S, share_spawn
 from cpdpkit.planner import PlannerConfig, ShardingPlan, plan_sharding
 from cpdpkit.topology import Tier, TopologySpec
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(pj.SHARED_TIMEOUT_S)]  # planner_spawn: all of it
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(SPAWN_TIMEOUT_S)]  # planner_spawn: all of it
 
 WORLD = 4
 TWO_NODES = TopologySpec(
@@ -158,7 +159,7 @@ def _phase(rank: int, world_size: int, out: str, plans: dict[str, dict[str, Any]
 
 
 # the 4-rank job runs in the session's one spawned group of 4 processes (tests/conftest.py planner_spawn)
-pj.share_spawn(__name__, lambda: [("agree", _phase, WORLD, ({name: _plan(name).to_dict() for name in PLANS},))],
+share_spawn(__name__, lambda: [("agree", _phase, WORLD, ({name: _plan(name).to_dict() for name in PLANS},))],
                timeout_s=120.0)
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import _planner_jobs as jobs
+from _ranks import SPAWN_TIMEOUT_S, share_spawn
 from cpdpkit.errors import DistributedSetupError
 from cpdpkit.planner import PlannerConfig, PlannerError, plan_sharding
 from cpdpkit.shard import apply_plan
@@ -58,7 +59,7 @@ def _phases():
             ("w2gloo", jobs._entry, 2, (cases("2-lan", "2-wan"), False))]
 
 
-jobs.share_spawn(__name__, _phases, timeout_s=150.0)
+share_spawn(__name__, _phases, timeout_s=150.0)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +73,7 @@ def results(planner_spawn):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(jobs.SHARED_TIMEOUT_S)  # the first test to ask for planner_spawn waits for all of it
+@pytest.mark.timeout(SPAWN_TIMEOUT_S)  # the first test to ask for planner_spawn waits for all of it
 def test_apply_plan_matches_fsdp2_on_2_gloo_ranks(plans, results):
     lan, wan = plans["2-lan"], plans["2-wan"]
     assert (lan.mesh.shape, wan.mesh.shape) == ((2,), (2, 1))
@@ -83,7 +84,7 @@ def test_apply_plan_matches_fsdp2_on_2_gloo_ranks(plans, results):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(jobs.SHARED_TIMEOUT_S)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S)
 def test_apply_plan_matches_fsdp2_on_4_gloo_ranks(plans, results):
     lan, wan = plans["4-lan"], plans["4-wan"]
     assert (lan.mesh.shape, wan.mesh.shape) == ((4,), (2, 2))
@@ -97,7 +98,7 @@ def test_apply_plan_matches_fsdp2_on_4_gloo_ranks(plans, results):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(jobs.SHARED_TIMEOUT_S)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S)
 def test_apply_plan_matches_fsdp2_over_the_emulated_backend(plans, results):
     hsdp, hpz = plans["hsdp"], plans["hpz"]
     assert {u.reshard_after_forward for u in hpz.units if not u.is_root} == {2}

@@ -13,22 +13,22 @@ import json
 import pytest
 import torch
 
+import _executor_checks as checks
 import _executor_jobs as jobs
 import _planner_jobs as pj
+from _ranks import SPAWN_TIMEOUT_S, share_spawn
 from cpdpkit import labels
 from cpdpkit.planner import PlannerConfig, PlannerError, plan_sharding
 from cpdpkit.shard.executor import TwoStageExecutor
-from test_labels import _check_collectives_labelled
 
 CONFIG = PlannerConfig(param_dtype="float32", grad_dtype="float32", optim_state_bytes_per_param=8,
                        min_unit_bytes=1000)
-ALTERNATE = [1.0, 10.0, 1.0]  # loss scales: the scaled steps clip, the others do not
 GLOO_CASES = [
     {"name": "sgd", "optimizer": "sgd", "exact": True},
     {"name": "adamw", "optimizer": "adamw", "exact": True},
     {"name": "adamw-clip", "optimizer": "adamw", "max_grad_norm": 0.05, "exact": True},
     {"name": "sgd-clip-never", "optimizer": "sgd", "max_grad_norm": 1e6, "exact": True},
-    {"name": "sgd-clip-alternate", "optimizer": "sgd", "max_grad_norm": "alternate", "loss_scales": ALTERNATE,
+    {"name": "sgd-clip-alternate", "optimizer": "sgd", "max_grad_norm": "alternate", "loss_scales": checks.ALTERNATE,
      "exact": True, "profile": True},
     {"name": "adamw-bf16", "optimizer": "adamw", "mp": "bf16"},
     {"name": "adamw-bf16-reduce", "optimizer": "adamw", "mp": "bf16-reduce"},
@@ -46,18 +46,6 @@ def _plan(topology, stage1=True):
     return jobs.with_stage1_schedule(plan) if stage1 else plan
 
 
-def _expected_clip_stats(clipped: list[bool]) -> tuple[int, int]:
-    """(speculated, mispredicted) steps under the adaptive rule: no speculation after a clipped step."""
-    speculated = mispredicted = 0
-    previous = False
-    for c in clipped:
-        if not previous:
-            speculated += 1
-            mispredicted += c
-        previous = c
-    return speculated, mispredicted
-
-
 def _check_case(rank, case, res, stages):
     name, hsdp, ex = case["name"], res["hsdp"], res["ex"]
     tol = {"rtol": 1e-3, "atol": 1e-4} if case.get("mp") else {"rtol": 1e-6, "atol": 1e-6}
@@ -72,25 +60,10 @@ def _check_case(rank, case, res, stages):
     assert abs(2 * ex["state_bytes"] - hsdp["state_bytes"]) <= 3 * 2 * 4, (name, rank)
     for pending in ex["pending"]:  # stage-2 exchanges are in flight after step(), stage-1 ones are done
         assert pending == {unit: stage == 2 for unit, (stage, _) in stages.items()}, name
-    clipped = check_stats_and_clipping(name, ex, hsdp["norms"], res["max_grad_norm"])
+    clipped = checks.check_stats_and_clipping(name, ex, hsdp["norms"], res["max_grad_norm"])
     if clipped is not None:
         stats = ex["stats"]
         assert stats["stage1_launched"] == 2 * stats["clip_speculated"] / jobs.NUM_STEPS, name
-    return clipped
-
-
-def check_stats_and_clipping(name, ex, ref_norms, clip):
-    """Both executors' stats (2 stage-1 units) and, with clipping, norms and speculation counts.
-
-    Returns which steps clipped (``None`` without clipping)."""
-    stats = ex["stats"]
-    assert stats["steps"] == jobs.NUM_STEPS and stats["stage1_scheduled"] == 2, name
-    if clip is None:
-        assert stats["stage1_launched"] == 2 and stats["clip_speculated"] == 0, name
-        return None
-    assert ex["norms"] == pytest.approx(ref_norms, rel=1e-5), name
-    clipped = [n > clip for n in ref_norms]
-    assert (stats["clip_speculated"], stats["clip_mispredicted"]) == _expected_clip_stats(clipped), name
     return clipped
 
 
@@ -121,7 +94,7 @@ def _phases():
             ("resume4", jobs._resume_entry, 4, (plan.to_dict(), RESUME_CASES))]
 
 
-pj.share_spawn(__name__, _phases, timeout_s=170.0)
+share_spawn(__name__, _phases, timeout_s=170.0)
 
 
 @pytest.fixture(scope="module")
@@ -136,17 +109,11 @@ def gloo_results(all_results):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(pj.SHARED_TIMEOUT_S)  # the first test to ask for planner_spawn waits for all of it
+@pytest.mark.timeout(SPAWN_TIMEOUT_S)  # the first test to ask for planner_spawn waits for all of it
 def test_executor_matches_hsdp_on_4_gloo_ranks(gloo_results):
     plan, results = gloo_results
-    assert results[0]["backend"] == "gloo"
-    stages = {s.unit: (s.stage, s.order) for s in plan.schedule.slots}
-    assert stages == {"<root>": (2, 2), "blocks.0-1": (1, 1), "blocks.2-3": (1, 0)}
-    clipped = {}
+    clipped = checks.check_gloo_cases(plan, results, GLOO_CASES, _check_case)
     for rank, rank_result in enumerate(results):
-        for case, res in zip(GLOO_CASES, rank_result["cases"]):
-            assert res["ex"]["stages"] == stages, case["name"]
-            clipped[case["name"]] = _check_case(rank, case, res, stages)
         # the two replicas of a shard hold disjoint halves: together exactly HSDP's state
         for res, other in zip(rank_result["cases"], results[rank ^ 2]["cases"]):
             assert res["ex"]["state_bytes"] + other["ex"]["state_bytes"] == res["hsdp"]["state_bytes"], res["name"]
@@ -157,7 +124,7 @@ def test_executor_matches_hsdp_on_4_gloo_ranks(gloo_results):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(pj.SHARED_TIMEOUT_S)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S)
 def test_executor_misuse_and_labels_on_4_gloo_ranks(gloo_results):
     _plan, results = gloo_results
     by_name = {c["name"]: i for i, c in enumerate(GLOO_CASES)}
@@ -168,7 +135,7 @@ def test_executor_misuse_and_labels_on_4_gloo_ranks(gloo_results):
         assert "a second synced backward before step()" in errors[1]
         assert "set_requires_gradient_sync(False)" in errors[1]
         ex = rank_result["cases"][by_name["sgd-clip-alternate"]]["ex"]
-        seen = _check_collectives_labelled(ex["events"], ("FSDP::",))
+        seen = checks.check_collectives_labelled(ex["events"], ("FSDP::",))
         h = labels.SHARD
         assert {h.GRAD_REDUCE_SCATTER, h.GRAD_WAIT, h.GRAD_NORM, h.PARAM_ALL_GATHER, h.PARAM_WAIT, h.UPDATE,
                 h.TIMINGS} <= seen, seen
@@ -176,7 +143,7 @@ def test_executor_misuse_and_labels_on_4_gloo_ranks(gloo_results):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(pj.SHARED_TIMEOUT_S)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S)
 def test_executor_stage1_and_calibration_over_the_emulated_backend(all_results):
     results = all_results[1]["w4emu"]
     assert results[0]["backend"] == "emu"
@@ -244,29 +211,10 @@ def test_executor_refuses_bad_input_before_any_collective():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(pj.SHARED_TIMEOUT_S)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S)
 def test_executor_state_dict_round_trips_through_dcp(all_results):
     """Train k steps, dcp.save model + executor state, load into a fresh model/executor (another
     init), continue to N: bit-identical parameters to an uninterrupted run (AdamW, with and without
     clipping; plain state dict and the executor as a DCP Stateful)."""
     results = all_results[1]["resume4"]
-    check_resumed(results, "TwoStageExecutor")
-
-
-def check_resumed(results, who):
-    keys = set()
-    for rank, rank_result in enumerate(results):
-        for res in rank_result["cases"]:
-            name = res["name"]
-            assert res["fresh_differs"], name
-            assert res["resumed_params"].keys() == res["full_params"].keys()
-            for fqn, expect in res["full_params"].items():
-                torch.testing.assert_close(res["resumed_params"][fqn], expect, rtol=0, atol=0,
-                                           msg=f"{name} {fqn} rank {rank}")
-            assert res["resumed_losses"] == pytest.approx(res["full_losses"], rel=0, abs=1e-7), name
-            assert len(res["errors"]) == 2, name
-            assert "no optimizer state for this rank's mesh coordinates" in res["errors"][0]
-            assert f"{who} cannot reshard" in res["errors"][1]
-            keys.add(tuple(res["optim_keys"]))  # every case, not only the last
-    # every rank saves its own optimizer entry, named by its (replicate, shard) coordinates
-    assert keys == {(f"rep{r}of2_shard{s}of2",) for r in range(2) for s in range(2)}
+    checks.check_resumed(results, "TwoStageExecutor")

@@ -13,14 +13,14 @@ import math
 import pytest
 import torch
 
+import _executor_checks as checks
 import _executor_jobs as ej
 import _partial_jobs as jobs
 import _planner_jobs as pj
+from _ranks import SPAWN_TIMEOUT_S, share_spawn
 from cpdpkit import labels
 from cpdpkit.planner import PlannerConfig, PlannerError, plan_sharding
 from cpdpkit.shard.partial import PartialShardExecutor
-from test_labels import _check_collectives_labelled
-from test_planner_executor import ALTERNATE, check_resumed, check_stats_and_clipping
 
 CONFIG = PlannerConfig(param_dtype="float32", grad_dtype="float32", optim_state_bytes_per_param=8,
                        min_unit_bytes=1000, param_sharding="replicated")
@@ -28,7 +28,7 @@ GLOO_CASES = [
     {"name": "sgd", "optimizer": "sgd", "exact": True},
     {"name": "adamw", "optimizer": "adamw", "exact": True},
     {"name": "adamw-clip", "optimizer": "adamw", "max_grad_norm": 0.05, "exact": True},
-    {"name": "sgd-clip-alternate", "optimizer": "sgd", "max_grad_norm": "alternate", "loss_scales": ALTERNATE,
+    {"name": "sgd-clip-alternate", "optimizer": "sgd", "max_grad_norm": "alternate", "loss_scales": checks.ALTERNATE,
      "exact": True, "profile": True},
     {"name": "adamw-accum", "optimizer": "adamw", "accum": 2, "exact": True, "errors": True},
 ]
@@ -57,7 +57,7 @@ def _phases():
             ("emu", jobs._entry, 4, (ej.with_stage1_schedule(_plan(pj.FAST_WAN), 0.01).to_dict(), EMU_CASES, True))]
 
 
-pj.share_spawn(__name__, _phases, timeout_s=130.0)
+share_spawn(__name__, _phases, timeout_s=130.0)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def gloo_results(all_results):
     return plan, results["gloo"]
 
 
-def _check_case(rank, case, res):
+def _check_case(rank, case, res, _stages):
     name, ref, ex = case["name"], res["ref"], res["ex"]
     for fqn, expect in ref["params"].items():
         torch.testing.assert_close(ex["params"][fqn], expect, rtol=1e-5, atol=1e-6, msg=f"{name} {fqn} rank {rank}")
@@ -81,21 +81,14 @@ def _check_case(rank, case, res):
         assert torch.equal(ex["params"][fqn], expect), (name, fqn, rank)
     # a quarter of the whole model's optimizer state (within one element per unit and state tensor)
     assert abs(4 * ex["state_bytes"] - ref["state_bytes"]) <= 4 * 3 * 2 * 4, (name, rank)
-    return check_stats_and_clipping(name, ex, ref["norms"], res["max_grad_norm"])
+    return checks.check_stats_and_clipping(name, ex, ref["norms"], res["max_grad_norm"])
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(pj.SHARED_TIMEOUT_S)  # the first test to ask for planner_spawn waits for all of it
+@pytest.mark.timeout(SPAWN_TIMEOUT_S)  # the first test to ask for planner_spawn waits for all of it
 def test_partial_matches_data_parallel_on_4_gloo_ranks(gloo_results):
     plan, results = gloo_results
-    assert results[0]["backend"] == "gloo"
-    stages = {s.unit: (s.stage, s.order) for s in plan.schedule.slots}
-    assert stages == {"<root>": (2, 2), "blocks.0-1": (1, 1), "blocks.2-3": (1, 0)}
-    clipped = {}
-    for rank, rank_result in enumerate(results):
-        for case, res in zip(GLOO_CASES, rank_result["cases"]):
-            assert res["ex"]["stages"] == stages, case["name"]
-            clipped[case["name"]] = _check_case(rank, case, res)
+    clipped = checks.check_gloo_cases(plan, results, GLOO_CASES, _check_case)
     for i, case in enumerate(GLOO_CASES):  # the four ranks' slices partition the state exactly
         states = [r["cases"][i]["ex"]["state_bytes"] for r in results]
         assert sum(states) == results[0]["cases"][i]["ref"]["state_bytes"], (case["name"], states)
@@ -104,7 +97,7 @@ def test_partial_matches_data_parallel_on_4_gloo_ranks(gloo_results):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(pj.SHARED_TIMEOUT_S)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S)
 def test_partial_misuse_labels_and_checkpoint_on_4_gloo_ranks(gloo_results):
     _plan, results = gloo_results
     by_name = {c["name"]: i for i, c in enumerate(GLOO_CASES)}
@@ -113,16 +106,16 @@ def test_partial_misuse_labels_and_checkpoint_on_4_gloo_ranks(gloo_results):
         assert len(errors) == 2 and "zero_grad() after a synced backward" in errors[0], errors
         assert "a second synced backward before step()" in errors[1], errors
         ex = rank_result["cases"][by_name["sgd-clip-alternate"]]["ex"]
-        seen = _check_collectives_labelled(ex["events"], ())
+        seen = checks.check_collectives_labelled(ex["events"], ())
         h = labels.SHARD
         assert {h.GRAD_REDUCE_SCATTER, h.GRAD_WAIT, h.GRAD_NORM, h.PARAM_ALL_GATHER, h.PARAM_WAIT, h.UPDATE,
                 h.TIMINGS} <= seen, seen
     resumed = [{"cases": r["cases"][len(GLOO_CASES):]} for r in results]
-    check_resumed(resumed, "PartialShardExecutor")
+    checks.check_resumed(resumed, "PartialShardExecutor")
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(pj.SHARED_TIMEOUT_S)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S)
 def test_partial_bytes_stage1_and_calibration_over_the_emulated_backend(all_results):
     _gloo_plan, plan, results = all_results
     results = results["emu"]

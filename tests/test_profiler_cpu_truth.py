@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from _script_ranks import run_script_ranks
+from _ranks import run_script_ranks
 from cpdpkit.profiler import analyze
 
 WORKER = Path(__file__).with_name("_profiler_cpu_workload.py")

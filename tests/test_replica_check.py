@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
+from _ranks import SPAWN_TIMEOUT_S, share_fn
 from cpdpkit.errors import ConfigError, DistributedSetupError
 from cpdpkit.sync import PeriodicSyncOptimizer, SyncConfig
 from cpdpkit.sync._replicas import checksum
-from dist_utils import run_ranks
 
 FIX = ("something changed parameters on some ranks only (code that writes them outside the optimizer, or faulty "
        "hardware): fix that, then resume from the last checkpoint")
@@ -97,10 +97,14 @@ def _job(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+# on 2 ranks of the session's one spawned group (tests/conftest.py planner_spawn)
+share_fn(__name__, "checks", _job, 2, timeout_s=60.0)
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_replica_check_names_the_first_differing_parameter_and_the_ranks() -> None:
-    results = run_ranks(_job, 2, timeout_s=100)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S)  # the first test to ask for planner_spawn waits for all of it
+def test_replica_check_names_the_first_differing_parameter_and_the_ranks(planner_spawn) -> None:
+    results = planner_spawn[__name__]["checks"]
     for rank, res in enumerate(results):
         # one collective per reconciliation (steps 2, 4, 6, 8), ddp one per step
         assert res["counts"] == {"{'strategy': 'ddp'}": 8, "{'strategy': 'localsgd'}": 4,

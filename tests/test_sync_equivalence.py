@@ -18,11 +18,11 @@ import pytest
 import torch
 from torch import nn
 
+from _ranks import RANKS_TIMEOUT_S, share_ranks
 from cpdpkit.sync import PeriodicSyncOptimizer
-from dist_utils import SHARED_TIMEOUT_S, share_ranks
 from sync_reference import batch, make_model
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(SHARED_TIMEOUT_S)]  # sync_ranks: all of it
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(RANKS_TIMEOUT_S)]  # sync_ranks: all of it
 
 PERIOD, PERIODS, BETA = 3, 4, 0.5  # 12 steps: 4 reconciliations
 STEPS = PERIOD * PERIODS

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 import sync_scenarios as sc
+from _ranks import RANKS_TIMEOUT_S, share_ranks
 from cpdpkit.errors import ConfigError, DistributedSetupError
 from cpdpkit.sync import PeriodicSyncOptimizer, SyncConfig
-from dist_utils import SHARED_TIMEOUT_S, share_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -119,7 +119,7 @@ share_ranks(f"{__name__}:last", {"bad": (sc.bad_input, {})}, timeout_s=30.0, ord
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(SHARED_TIMEOUT_S)  # the first test to ask for sync_ranks waits for all of it
+@pytest.mark.timeout(RANKS_TIMEOUT_S)  # the first test to ask for sync_ranks waits for all of it
 def test_errors_that_need_a_process_group(sync_ranks):
     results, bad = sync_ranks[__name__]["foreign"], sync_ranks[f"{__name__}:last"]["bad"]
     r = results[0]

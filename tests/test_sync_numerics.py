@@ -9,10 +9,10 @@ import torch
 
 import _planner_jobs as pj
 import sync_scenarios as sc
-from dist_utils import SHARED_TIMEOUT_S, share_ranks
+from _ranks import RANKS_TIMEOUT_S, SPAWN_TIMEOUT_S, share_ranks, share_spawn
 from sync_reference import Workload, simulate
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(SHARED_TIMEOUT_S)]  # sync_ranks: all of it
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(RANKS_TIMEOUT_S)]  # sync_ranks: all of it
 
 TOL = 1e-6
 
@@ -138,11 +138,11 @@ def _four_rank_phase(rank: int, world_size: int, out: str, specs: list[dict]) ->
 
 
 # the 4-rank job runs in the session's one spawned group of 4 processes (tests/conftest.py planner_spawn)
-pj.share_spawn(__name__, lambda: [("four", _four_rank_phase, 4, ([dataclasses.asdict(w) for w in FOUR_RANK_FLAT],))],
+share_spawn(__name__, lambda: [("four", _four_rank_phase, 4, ([dataclasses.asdict(w) for w in FOUR_RANK_FLAT],))],
                timeout_s=100.0)
 
 
-@pytest.mark.timeout(pj.SHARED_TIMEOUT_S)  # the first test to ask for planner_spawn waits for all of it
+@pytest.mark.timeout(SPAWN_TIMEOUT_S)  # the first test to ask for planner_spawn waits for all of it
 def test_four_ranks_and_hierarchical_groups(planner_spawn):
     flat = FOUR_RANK_FLAT
     by_rank = planner_spawn[__name__]["four"]

@@ -8,11 +8,9 @@ must follow the bare inner optimizer bit for bit; that is the reference here.
 from __future__ import annotations
 
 import warnings
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim import lr_scheduler
 
@@ -20,16 +18,6 @@ from cpdpkit.errors import ConfigError
 from cpdpkit.sync import PeriodicSyncOptimizer, SyncConfig
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(scope="module")
-def world1():
-    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=30))
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1,
-                            timeout=timedelta(seconds=30))
-    yield
-    dist.destroy_process_group()
 
 
 def _model(seed: int = 0) -> nn.Module:

@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch import nn
 
+from _ranks import RANKS_TIMEOUT_S, share_ranks
 from cpdpkit.errors import ConfigError
 from cpdpkit.sync import PeriodicSyncOptimizer, SyncConfig
-from dist_utils import SHARED_TIMEOUT_S, share_ranks
 from sync_reference import batch, make_model
 
 PERIOD, STEPS, LR = 3, 12, 0.05
@@ -77,7 +77,7 @@ def _job(rank: int, world: int) -> dict:
 
 
 share_ranks(__name__, {"all": (_job, {})}, timeout_s=120.0)
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(SHARED_TIMEOUT_S)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(RANKS_TIMEOUT_S)]
 
 
 @pytest.fixture(scope="module")

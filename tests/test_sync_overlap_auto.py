@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import sync_scenarios as sc
+from _ranks import RANKS_TIMEOUT_S, share_ranks
 from cpdpkit.sync import SyncConfig
 from cpdpkit.sync.period_control import PeriodSchedule, decide_period, divergence
-from dist_utils import SHARED_TIMEOUT_S, share_ranks
 from sync_reference import Workload, simulate
 
 TOL = 1e-6
@@ -148,7 +148,7 @@ def results(sync_ranks):
     return sync_ranks[__name__]["all"]
 
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(SHARED_TIMEOUT_S)]  # sync_ranks: all of it
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(RANKS_TIMEOUT_S)]  # sync_ranks: all of it
 
 
 def test_overlap_matches_the_reference(results):

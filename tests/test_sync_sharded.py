@@ -11,18 +11,22 @@ import pytest
 import torch
 
 import _sharded_sync_jobs as jobs
-from dist_utils import run_ranks
+from _ranks import SPAWN_TIMEOUT_S, share_fn
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = pytest.mark.timeout(SPAWN_TIMEOUT_S)  # the first test to ask for planner_spawn waits for all of it
 
 _FIX = ("shard the model over the site only: fully_shard(module, mesh=mesh['shard']) on a mesh "
         "init_device_mesh(device, (num_sites, ranks_per_site), mesh_dim_names=('replicate', 'shard')), "
         "and pass group=mesh['replicate'].get_group()")
 
 
+# the 4-rank job runs in the session's one spawned group of 4 processes (tests/conftest.py planner_spawn)
+share_fn(__name__, "numerics", jobs.job_numerics, 4, timeout_s=200.0, root_kwarg="tmp")
+
+
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return run_ranks(jobs.job_numerics, 4, timeout_s=360, tmp=str(tmp_path_factory.mktemp("sharded")))
+def ranks(planner_spawn) -> list[dict]:
+    return planner_spawn[__name__]["numerics"]
 
 
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:

@@ -25,7 +25,7 @@ from cpdpkit.emulator._counters import Counts, GroupCounters
 from cpdpkit.emulator.backend import EmulatorSession, session_of
 from cpdpkit.errors import DistributedSetupError
 
-__all__ = ["Meter", "meter", "makespan_s"]
+__all__ = ["Meter", "meter", "makespan_s", "timed_runs"]
 
 
 class Meter:
@@ -157,3 +157,15 @@ def makespan_s(fn: Callable[[], Any], gloo: Any, *, group: int = 0, late_s: floa
     rows = [(int(g), left, done) for g, left, done in (t.tolist() for t in every) if g >= 0]
     start_s = min(max(left for g, left, _ in rows if g == k) for k in {g for g, _, _ in rows})
     return (min if first else max)(done for _, _, done in rows) - start_s
+
+
+def timed_runs(fn: Callable[[], Any], gloo: Any, repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` runs of ``fn``, each timed from this rank's exit of a barrier
+    on the plain gloo group ``gloo`` (load only adds to a run: the fastest is the floor)."""
+    times = []
+    for _ in range(repeats):
+        dist.barrier(gloo)
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times

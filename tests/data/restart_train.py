@@ -1,7 +1,7 @@
 """A small training job that checkpoints, for tests/test_launch_restart.py and tests/test_checkpoint.py.
 
     cpdpkit launch --nproc-per-node 2 --max-restarts 1 tests/data/restart_train.py OUT [--kill-rank 1
-        --kill-step 41] [--steps 60] [--every 8] [--setups ddp,localsgd,...] [--clean-first CLEAN]
+        --kill-step 17] [--steps 60] [--every 8] [--setups ddp,localsgd,...] [--clean-first CLEAN]
 
 Several setups train side by side, step by step (one job, one launch): each a tiny MLP with dropout
 (draws from torch's global RNG) on data drawn from the global RNG too, so a resumed run only
