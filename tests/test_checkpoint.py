@@ -21,29 +21,17 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from _checkpoint_setup import TOTAL_STEPS
+from _checkpoint_setup import setup as _setup
 from _ranks import SPAWN_TIMEOUT_S, share_fn
 from cpdpkit.checkpoint import Checkpointer, CheckpointError
-from cpdpkit.sync import PeriodicSyncOptimizer
 
-TOTAL_STEPS = 12
 CASES = {  # name: (sync options, steps completed at the save)
     "slowmo-mid-warmup": ({"strategy": "slowmo", "warmup_steps": 10}, 6),
     "cpdp-mid-period": ({"strategy": "cpdp", "warmup_steps": 1}, 7),  # reconciles at 5 and 9
     "cpdp-in-flight": ({"strategy": "cpdp", "warmup_steps": 1, "overlap_steps": 3}, 6),  # launched 5, applied 8
     "localsgd-mid-period": ({"strategy": "localsgd", "warmup_steps": 1}, 7),
 }
-
-
-def _model(seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.2), nn.Linear(16, 3))
-
-
-def _setup(options: dict[str, Any], seed: int = 0) -> tuple[nn.Module, PeriodicSyncOptimizer, Any]:
-    model = _model(seed)
-    period = {} if options.get("strategy") == "ddp" else {"period": 4}  # ddp has no period
-    opt = PeriodicSyncOptimizer(torch.optim.AdamW(model.parameters(), lr=0.02), model=model, **period, **options)
-    return model, opt, torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=TOTAL_STEPS)
 
 
 def _step(model: nn.Module, opt: Any, sched: Any) -> None:

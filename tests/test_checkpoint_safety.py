@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from _checkpoint_setup import setup as _setup
 from cpdpkit import _checkpoint_files as files
 from cpdpkit.checkpoint import Checkpointer, CheckpointError
-from test_checkpoint import _setup
 
 MANIFEST = "cpdpkit-checkpoint.json"
 pytestmark = pytest.mark.timeout(120)

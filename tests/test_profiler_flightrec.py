@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from _script_ranks import run_script_ranks
+from _ranks import run_script_ranks
 from cpdpkit.profiler.errors import TraceFileError
 from cpdpkit.profiler.flightrec import analyze_dumps, read_dump
 

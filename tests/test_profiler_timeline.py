@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from _script_ranks import run_script_ranks
+from _ranks import run_script_ranks
 from _trace_builder import cpu_op, kernel, launch, step, trace_doc, write_trace
 from cpdpkit.profiler import analyze
 from cpdpkit.profiler.timeline import TRACKS, timeline_doc
