@@ -10,8 +10,10 @@ rank's final parameters of every setup equal, bit for bit, those of an uninterru
 world size (one per world size, run first)::
 
     python benchmarks/kill_resume_soak.py [--trials 20] [--seed 0] [--steps 24] [--every 4] [--world-sizes 2]
+        [--json FILE]
 
-Prints one JSON line per trial on stderr and the summary JSON on stdout:
+Prints one JSON line per trial on stderr and the summary JSON on stdout after the ranks' own lines
+(and to ``--json FILE``):
 ``{"trials", "bit_identical", "restarts_as_planned", "wall_s", "seed", "command", "runs": [...]}``.
 """
 
@@ -64,6 +66,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--every", type=int, default=4)
     parser.add_argument("--world-sizes", default="2", help="comma-separated world sizes to draw from (default 2)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the summary here")
     args = parser.parse_args(argv)
     worlds = [int(w) for w in args.world_sizes.split(",")]
     draw = random.Random(args.seed)
@@ -96,6 +99,8 @@ def main(argv: list[str]) -> int:
                "kills": sum(len(r["kills"]) for r in runs), "wall_s": round(time.perf_counter() - start, 1),
                "seed": args.seed, "command": command.strip(), "runs": runs}
     print(json.dumps(summary, indent=1))
+    if args.json is not None:
+        args.json.write_text(json.dumps(summary, indent=1) + "\n")
     return 0 if summary["bit_identical"] == summary["trials"] == summary["restarts_as_planned"] else 1
 
 

@@ -341,16 +341,17 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {str(folder)!r} is damaged or not ours: {problem}; delete that folder "
                                   "to resume from the one before it")
         if meta.get("world_size") != world:
-            raise CheckpointError(f"checkpoint {str(folder)!r} was written by {meta.get('world_size')} ranks, this "
-                                  f"run has {world}: launch {meta.get('world_size')} ranks, or {elsewhere}")
+            saved = _shown(meta.get("world_size"))
+            raise CheckpointError(f"checkpoint {str(folder)!r} was written by {saved} ranks, this run has {world}: "
+                                  f"launch {saved} ranks, or {elsewhere}")
         if meta.get("optimizer") != kind:
-            raise CheckpointError(f"checkpoint {str(folder)!r} holds a {meta.get('optimizer')} state, this run "
+            raise CheckpointError(f"checkpoint {str(folder)!r} holds a {_shown(meta.get('optimizer'))} state, this run "
                                   f"passes a {kind}: {fix}")
         if meta.get("strategy") != strategy:
             raise CheckpointError(f"checkpoint {str(folder)!r} was written with strategy {meta.get('strategy')!r}, "
                                   f"this run uses {strategy!r}: {fix}")
         if meta.get("extra") != sorted(extra):
-            raise CheckpointError(f"checkpoint {str(folder)!r} holds extra state {meta.get('extra')}, this run "
+            raise CheckpointError(f"checkpoint {str(folder)!r} holds extra state {meta.get('extra')!r}, this run "
                                   f"passes extra={sorted(extra)}: pass the same extra objects")
 
     def _agree_on(self, latest: tuple[int, Path] | None) -> None:
@@ -496,6 +497,12 @@ def _read_manifest(folder: Path) -> Any:
     if len(data) > files.MAX_SKELETON_BYTES:
         raise ValueError(f"it is over {files.MAX_SKELETON_BYTES:,} bytes")
     return json.loads(data.decode("utf-8"))
+
+
+def _shown(value: Any) -> str:
+    """A manifest's value in a message: as it is when it is a plain int or name, else its (one-line) repr."""
+    plain = type(value) is int or (isinstance(value, str) and value.isidentifier())
+    return str(value) if plain else repr(value)[:100]
 
 
 def _one_line(exc: BaseException) -> str:

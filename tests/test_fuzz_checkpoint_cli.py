@@ -9,6 +9,7 @@ before any rank starts.
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 
@@ -42,3 +43,15 @@ def test_checkpoint_folder_fuzzed(case: dict[str, bytes]) -> None:
 @given(case=TARGETS["cli"].cases())
 def test_command_lines_fuzzed(case: dict[str, bytes]) -> None:
     _no_crash("cli", case)
+
+
+def test_a_manifest_value_with_a_newline_is_shown_as_its_repr(tmp_path: Path) -> None:
+    """Found by the fuzzer (seed 25): a world size of ``"a\\nb"`` in the manifest made a message of two lines."""
+    from _fuzz_checkpoint import MANIFEST, STEP, _seeds
+
+    files = dict(_seeds()["good"])
+    files[MANIFEST] = json.dumps({**json.loads(files[MANIFEST]), "world_size": "a\nb"}).encode()
+    kind, detail = outcome(TARGETS["checkpoint"], {f"{STEP}/{n}": d for n, d in files.items()}, tmp_path)
+    assert kind == "error", detail
+    assert detail == (f"checkpoint '{tmp_path}/{STEP}' was written by 'a\\nb' ranks, this run has 1: launch 'a\\nb' "
+                      f"ranks, or point Checkpointer at another directory than '{tmp_path}/ckpt'")
