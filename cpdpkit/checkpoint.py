@@ -40,7 +40,8 @@ is written), then rank 0 writes ``cpdpkit-checkpoint.json`` and renames the fold
 ``DIR/step<N>`` (8 digits), and a last barrier makes every rank return only after that rename.
 The rename is the commit: :meth:`Checkpointer.restore` considers only ``step<N>`` folders holding
 the JSON, so a crash mid-save leaves at most a ``.tmp-*`` folder that no restore picks (the next
-restore removes it). The ``keep`` newest checkpoints are kept; pruning deletes only folders whose
+restore removes it); a rank that dies mid-save makes the others raise :class:`CheckpointError`
+within ``timeout_s``. The ``keep`` newest checkpoints are kept; pruning deletes only folders whose
 manifest says this checkpointer wrote them.
 
 **Randomness.** Each rank's RNG states are saved and restored: torch's CPU generator, CUDA's when
@@ -206,8 +207,8 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {str(folder)!r}: {exc}") from None
         except Exception as exc:  # noqa: BLE001 - a forged skeleton (manifest matched) can make load_state_dict raise anything
             raise CheckpointError(f"checkpoint {str(folder)!r} does not fit this model and optimizer "
-                                  f"({_one_line(exc)}); the optimizer or RNGs may be partly restored: build them "
-                                  "again, and delete that folder to resume from the one before it") from None
+                                  f"({_one_line(exc)}); the model, optimizer or RNGs may be partly restored: build "
+                                  "them again, and delete that folder to resume from the one before it") from None
         return step
 
     def maybe_save(self, step: int, *, model: nn.Module, optimizer: Any,
