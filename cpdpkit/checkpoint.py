@@ -385,7 +385,7 @@ class Checkpointer:
             raise CheckpointError(f"{unsafe} (DCP could not load its tensors: {_one_line(exc)}): {fix}") from None
 
         def tensor(ref: dict[str, Any]) -> torch.Tensor:
-            if ref.get("$tensor") not in template:
+            if not isinstance(ref.get("$tensor"), str) or ref["$tensor"] not in template:  # a forged name may be a dict
                 raise files.SkeletonError(f"it names a tensor {str(ref.get('$tensor'))[:80]!r} that is not there")
             return template[ref["$tensor"]]
 
