@@ -2,8 +2,10 @@
 
 The targets and their strategies are the tests' (``tests/_fuzz_targets.py``): trace files (``load_trace``
 and ``analyze``), topology TOML (``load_topology`` and ``cpdpkit topology show --json``), plan JSON
-(``ShardingPlan.load``), CIFAR-100 and TinyImageNet/ImageFolder folders. A case either loads, or fails
-with one ``CpdpkitError`` line naming the input; anything else is a crash. Unlike ``make test``
+(``ShardingPlan.load``), CIFAR-100 and TinyImageNet/ImageFolder folders, the checkpoint folder
+(``Checkpointer.restore``, ``tests/_fuzz_checkpoint.py``) and every command's command line (validation
+only: no rank starts, ``tests/_fuzz_cli.py``). A case either loads, or fails with one ``CpdpkitError``
+line naming the input; anything else is a crash. Unlike ``make test``
 (derandomized, a few hundred cases), each run draws new cases from a printed seed; the first input of
 each kind of crash is written under ``--out`` and listed in the JSON::
 

@@ -40,7 +40,8 @@ is written), then rank 0 writes ``cpdpkit-checkpoint.json`` and renames the fold
 ``DIR/step<N>`` (8 digits), and a last barrier makes every rank return only after that rename.
 The rename is the commit: :meth:`Checkpointer.restore` considers only ``step<N>`` folders holding
 the JSON, so a crash mid-save leaves at most a ``.tmp-*`` folder that no restore picks (the next
-restore removes it). The ``keep`` newest checkpoints are kept; pruning deletes only folders whose
+restore removes it); a rank that dies mid-save makes the others raise :class:`CheckpointError`
+within ``timeout_s``. The ``keep`` newest checkpoints are kept; pruning deletes only folders whose
 manifest says this checkpointer wrote them.
 
 **Randomness.** Each rank's RNG states are saved and restored: torch's CPU generator, CUDA's when
@@ -61,6 +62,7 @@ or a shared filesystem); ranks that see different latest checkpoints are refused
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
@@ -76,6 +78,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException as DcpError  # a BaseException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from cpdpkit import _checkpoint_files as files
@@ -198,7 +201,14 @@ class Checkpointer:
             return 0
         step, folder = latest
         state = self._load(folder)
-        self._apply(state, model, optimizer, extra)
+        try:
+            self._apply(state, model, optimizer, extra)
+        except CheckpointError as exc:
+            raise CheckpointError(f"checkpoint {str(folder)!r}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - a forged skeleton (manifest matched) can make load_state_dict raise anything
+            raise CheckpointError(f"checkpoint {str(folder)!r} does not fit this model and optimizer "
+                                  f"({_one_line(exc)}); the model, optimizer or RNGs may be partly restored: build "
+                                  "them again, and delete that folder to resume from the one before it") from None
         return step
 
     def maybe_save(self, step: int, *, model: nn.Module, optimizer: Any,
@@ -232,7 +242,12 @@ class Checkpointer:
             fh.write(skeleton)
             fh.flush()
             os.fsync(fh.fileno())
-        dcp.save(tensors, checkpoint_id=str(tmp), process_group=self._pg())
+        try:
+            dcp.save(tensors, checkpoint_id=str(tmp), process_group=self._pg())
+        except (Exception, DcpError) as exc:  # noqa: BLE001 - a peer that died mid-save fails DCP in many ways
+            raise CheckpointError(f"checkpoint save of step {step} into {str(tmp)!r} failed ({_one_line(exc)}): "
+                                  "nothing was committed (the latest checkpoint is the one before); check that every "
+                                  "rank is alive and calls maybe_save at the same step") from None
         if rank == 0:
             self._commit(step, tmp, final, optimizer, extra)
         self._barrier("after committing checkpoint")
@@ -303,10 +318,10 @@ class Checkpointer:
     def _check_fits(self, folder: Path, optimizer: Any, extra: Mapping[str, Any]) -> None:
         """Refuse a checkpoint of another world size, optimizer kind, strategy or extras (no collective)."""
         try:
-            meta = json.loads((folder / _META_FILE).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"checkpoint {str(folder)!r} has an unreadable {_META_FILE} ({exc}): delete that "
-                                  "folder to resume from the one before it") from exc
+            meta = _read_manifest(folder)
+        except (OSError, ValueError, RecursionError) as exc:
+            raise CheckpointError(f"checkpoint {str(folder)!r} has an unreadable {_META_FILE} ({_one_line(exc)}): "
+                                  "delete that folder to resume from the one before it") from None
         world = dist.get_world_size()
         kind, strategy = _describe(optimizer)
         elsewhere = f"point Checkpointer at another directory than {str(self.directory)!r}"
@@ -327,16 +342,17 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {str(folder)!r} is damaged or not ours: {problem}; delete that folder "
                                   "to resume from the one before it")
         if meta.get("world_size") != world:
-            raise CheckpointError(f"checkpoint {str(folder)!r} was written by {meta.get('world_size')} ranks, this "
-                                  f"run has {world}: launch {meta.get('world_size')} ranks, or {elsewhere}")
+            saved = _shown(meta.get("world_size"))
+            raise CheckpointError(f"checkpoint {str(folder)!r} was written by {saved} ranks, this run has {world}: "
+                                  f"launch {saved} ranks, or {elsewhere}")
         if meta.get("optimizer") != kind:
-            raise CheckpointError(f"checkpoint {str(folder)!r} holds a {meta.get('optimizer')} state, this run "
+            raise CheckpointError(f"checkpoint {str(folder)!r} holds a {_shown(meta.get('optimizer'))} state, this run "
                                   f"passes a {kind}: {fix}")
         if meta.get("strategy") != strategy:
             raise CheckpointError(f"checkpoint {str(folder)!r} was written with strategy {meta.get('strategy')!r}, "
                                   f"this run uses {strategy!r}: {fix}")
         if meta.get("extra") != sorted(extra):
-            raise CheckpointError(f"checkpoint {str(folder)!r} holds extra state {meta.get('extra')}, this run "
+            raise CheckpointError(f"checkpoint {str(folder)!r} holds extra state {meta.get('extra')!r}, this run "
                                   f"passes extra={sorted(extra)}: pass the same extra objects")
 
     def _agree_on(self, latest: tuple[int, Path] | None) -> None:
@@ -355,35 +371,60 @@ class Checkpointer:
         prefix = f"rank{rank}/"
         reader = files.SafeReader(str(folder))
         skeleton_file = folder / _SKELETON.format(rank=rank)
+        unsafe = f"checkpoint {str(folder)!r} cannot be read safely"
+        fix = "delete that folder to resume from the one before it"
         try:
             metadata = reader.read_metadata()
             node = files.read_skeleton(skeleton_file)
         except (files.SkeletonError, OSError) as exc:  # the manifest matched: written by a hostile hand
-            raise CheckpointError(f"checkpoint {str(folder)!r} cannot be read safely ({exc}): delete that folder "
-                                  "to resume from the one before it") from None
-        template: dict[str, Any] = {}
-        for key, md in metadata.state_dict_metadata.items():
-            if key.startswith(prefix):
-                if not hasattr(md, "size"):  # a bytes entry: DCP would torch.load(weights_only=False) it
-                    raise CheckpointError(f"checkpoint {str(folder)!r} holds a bytes entry {key!r}, which this "
-                                          "checkpointer never writes nor loads: use another directory")
-                template[key] = torch.empty(md.size, dtype=md.properties.dtype)
-        dcp.load(template, checkpoint_id=str(folder), storage_reader=reader, process_group=self._pg())
+            raise CheckpointError(f"{unsafe} ({exc}): {fix}") from None
+        template = self._template(folder, metadata, prefix)
+        try:
+            dcp.load(template, checkpoint_id=str(folder), storage_reader=reader, process_group=self._pg())
+        except (Exception, DcpError) as exc:  # noqa: BLE001 - the metadata is DCP's own classes but may be forged
+            raise CheckpointError(f"{unsafe} (DCP could not load its tensors: {_one_line(exc)}): {fix}") from None
 
         def tensor(ref: dict[str, Any]) -> torch.Tensor:
-            if ref.get("$tensor") not in template:
+            if not isinstance(ref.get("$tensor"), str) or ref["$tensor"] not in template:  # a forged name may be a dict
                 raise files.SkeletonError(f"it names a tensor {str(ref.get('$tensor'))[:80]!r} that is not there")
             return template[ref["$tensor"]]
 
         try:
             state = files.decode_skeleton(node, tensor)
-        except files.SkeletonError as exc:
+        except (files.SkeletonError, RecursionError) as exc:
             raise CheckpointError(f"checkpoint {str(folder)!r} has a bad {skeleton_file.name} ({exc}): delete "
                                   "that folder to resume from the one before it") from None
         if not isinstance(state, dict) or not {"model", "optimizer", "extra", "rng"} <= set(state):
             raise CheckpointError(f"checkpoint {str(folder)!r} has no state for rank {rank}: it was not written by "
                                   "this Checkpointer with this world size; use another directory")
         return state
+
+    @staticmethod
+    def _template(folder: Path, metadata: Any, prefix: str) -> dict[str, torch.Tensor]:
+        """Empty tensors of this rank's entries: at most as many bytes as the folder's data files hold."""
+        unsafe = f"checkpoint {str(folder)!r} cannot be read safely"
+        stored = sum(p.stat().st_size for p in folder.iterdir() if p.name.endswith(".distcp"))
+        shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        try:
+            for key, md in metadata.state_dict_metadata.items():
+                if isinstance(key, str) and key.startswith(prefix):
+                    if not hasattr(md, "size"):  # a bytes entry: DCP would torch.load(weights_only=False) it
+                        raise CheckpointError(f"checkpoint {str(folder)!r} holds a bytes entry {key!r}, which this "
+                                              "checkpointer never writes nor loads: use another directory")
+                    shape, dtype = tuple(int(n) for n in md.size), md.properties.dtype
+                    if min(shape, default=0) < 0 or not isinstance(dtype, torch.dtype):
+                        raise ValueError(f"entry {key[:80]!r} has shape {shape[:4]} and dtype {dtype!r}")
+                    shapes[key] = shape, dtype
+            wanted = sum(math.prod(shape) * dtype.itemsize for shape, dtype in shapes.values())
+        except CheckpointError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - forged metadata objects: any attribute may be missing or odd
+            raise CheckpointError(f"{unsafe} (its DCP metadata is malformed: {_one_line(exc)}): delete that folder to "
+                                  "resume from the one before it") from None
+        if wanted > stored:  # what a forged .metadata could make restore allocate
+            raise CheckpointError(f"{unsafe} (its DCP metadata describes {wanted:,} bytes of tensors, its data files "
+                                  f"hold {stored:,}): delete that folder to resume from the one before it")
+        return {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in shapes.items()}
 
     def _apply(self, state: dict[str, Any], model: nn.Module, optimizer: Any, extra: Mapping[str, Any]) -> None:
         self._copy_into_model(model, state["model"])
@@ -397,14 +438,18 @@ class Checkpointer:
         live = model.state_dict()
         if set(live) != set(saved):
             missing, unexpected = sorted(set(live) - set(saved)), sorted(set(saved) - set(live))
-            raise CheckpointError(f"checkpoint model keys differ from this model's (missing {missing[:3]}, "
+            raise CheckpointError(f"its model keys differ from this model's (missing {missing[:3]}, "
                                   f"unexpected {unexpected[:3]}): restore into the model the checkpoint was saved from")
-        for key, value in saved.items():
+        for key, value in saved.items():  # every entry checked before the first is copied
             target = _local(live[key])
+            if not isinstance(value, torch.Tensor):
+                raise CheckpointError(f"model entry {key!r} is a {type(value).__name__}, not a tensor: "
+                                      "delete that folder to resume from the one before it")
             if target.shape != value.shape or target.dtype != value.dtype:
-                raise CheckpointError(f"checkpoint model entry {key!r} is {tuple(value.shape)} {value.dtype}, this "
+                raise CheckpointError(f"model entry {key!r} is {tuple(value.shape)} {value.dtype}, this "
                                       f"model's is {tuple(target.shape)} {target.dtype}: restore into the same model")
-            target.copy_(value)
+        for key, value in saved.items():
+            _local(live[key]).copy_(value)
 
     # -- plumbing ---------------------------------------------------------------------------------
     def _check_objects(self, model: Any, optimizer: Any, extra: Mapping[str, Any]) -> None:
@@ -447,11 +492,29 @@ class Checkpointer:
                                   f"({first}): check that every rank calls maybe_save at the same step") from exc
 
 
+def _read_manifest(folder: Path) -> Any:
+    with open(folder / _META_FILE, "rb") as fh:
+        data = fh.read(files.MAX_SKELETON_BYTES + 1)
+    if len(data) > files.MAX_SKELETON_BYTES:
+        raise ValueError(f"it is over {files.MAX_SKELETON_BYTES:,} bytes")
+    return json.loads(data.decode("utf-8"))
+
+
+def _shown(value: Any) -> str:
+    """A manifest's value in a message: as it is when it is a plain int or name, else its (one-line) repr."""
+    plain = type(value) is int or (isinstance(value, str) and value.isidentifier())
+    return str(value) if plain else repr(value)[:100]
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
+
+
 def _ours(folder: Path) -> bool:
     """Whether ``folder``'s manifest says this checkpointer wrote it (pruning deletes nothing else)."""
     try:
-        meta = json.loads((folder / _META_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        meta = _read_manifest(folder)
+    except (OSError, ValueError, RecursionError):
         return False
     return isinstance(meta, dict) and meta.get("writer") == files.WRITER and isinstance(meta.get("files"), dict)
 

@@ -313,3 +313,11 @@ TARGETS: dict[str, Target] = {t.name: t for t in [
     Target("cifar", _cifar_cases, _load_cifar, lambda folder: folder),
     Target("image-folder", _image_folder_cases, _load_image_folder, lambda folder: folder),
 ]}
+
+
+# ---- the checkpoint folder and every command line (issue 25; their own modules) ---------------------------
+from _fuzz_checkpoint import checkpoint_cases, restore_case  # noqa: E402 - after Target, which they are wrapped in
+from _fuzz_cli import cli_cases, run_cli_case  # noqa: E402
+
+TARGETS["checkpoint"] = Target("checkpoint", checkpoint_cases, restore_case, lambda folder: folder / "ckpt")
+TARGETS["cli"] = Target("cli", cli_cases, run_cli_case, lambda folder: folder)

@@ -250,13 +250,13 @@ def test_other_optimizer_kind_and_model_are_refused(world1, tmp_path: Path) -> N
         Checkpointer(tmp_path / "ckpt", every=2).restore(model=model, optimizer=plain)
     assert "holds a PeriodicSyncOptimizer state, this run passes a SGD: resume with the settings" in str(info.value)
     shutil.rmtree(tmp_path / "ckpt")
-    Checkpointer(tmp_path / "ckpt", every=2).save(2, model=model, optimizer=plain)
+    folder = Checkpointer(tmp_path / "ckpt", every=2).save(2, model=model, optimizer=plain)
     bigger = nn.Sequential(nn.Linear(6, 17), nn.Tanh(), nn.Dropout(0.2), nn.Linear(17, 3))
     with pytest.raises(CheckpointError) as info:
         Checkpointer(tmp_path / "ckpt", every=2).restore(
             model=bigger, optimizer=torch.optim.SGD(bigger.parameters(), lr=0.1))
-    assert str(info.value) == ("checkpoint model entry '0.weight' is (16, 6) torch.float32, this model's is (17, 6) "
-                               "torch.float32: restore into the same model")
+    assert str(info.value) == (f"checkpoint {str(folder)!r}: model entry '0.weight' is (16, 6) torch.float32, "
+                               "this model's is (17, 6) torch.float32: restore into the same model")
 
 
 def test_keep_prunes_old_checkpoints_and_bad_step_is_refused(world1, tmp_path: Path) -> None:

@@ -102,6 +102,7 @@ def test_a_dcp_bytes_entry_is_never_loaded(world1, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("skeleton", "problem"), [
     (b'{"$tensor": "rank0/nope"}', "it names a tensor 'rank0/nope' that is not there"),
+    (b'{"$tensor": {"a": 1}}', "it names a tensor \"{'a': 1}\" that is not there"),  # fuzzer, seed 26
     (b'{"$set": [1]}', "unknown node with keys ['$set']"),
     (b"[NaN]", "ValueError: NaN is not JSON"),
     (b"[" * 100000, "RecursionError"),

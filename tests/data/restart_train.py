@@ -9,7 +9,8 @@ matches if the checkpoint restored the RNG; each with its own optimizer and ``Ch
 ``OUT/ckpt/<setup>`` (period K=4 after 2 warm-up steps, so the checkpoints at multiples of 8 fall
 mid-period, 2 steps after a reconciliation). With ``--kill-step S`` the rank ``--kill-rank``
 SIGKILLs itself in step S (after the first setup's step) on the first attempt only
-(``TORCHELASTIC_RESTART_COUNT == 0``). Every rank writes ``OUT/final-rank<R>.pt``: per setup the
+(``TORCHELASTIC_RESTART_COUNT == 0``); ``--kills R:S,R:S,...`` (benchmarks/kill_resume_soak.py) is
+several kills, the i-th in attempt i (its steps increasing). Every rank writes ``OUT/final-rank<R>.pt``: per setup the
 final parameters (local values) and the step it resumed from, and the restart count. With
 ``--clean-first CLEAN`` the first attempt's ranks (fresh processes) first train an uninterrupted run
 into ``CLEAN`` (the reference, without a launch of its own), then ``OUT``'s run.
@@ -89,13 +90,14 @@ def final_params(model: nn.Module, opt: Any) -> dict[str, torch.Tensor]:
     return {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in model.named_parameters()}
 
 
-def run(out: Path, *, steps: int, every: int, setups: list[str], kill_rank: int | None = None,
-        kill_step: int | None = None) -> dict[str, Any]:
+def run(out: Path, *, steps: int, every: int, setups: list[str],
+        kills: tuple[tuple[int, int], ...] = ()) -> dict[str, Any]:
     """Train every setup to ``steps``, resuming each from its checkpoint folder; what this rank saw."""
     from cpdpkit.checkpoint import Checkpointer
 
     rank = dist.get_rank()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    kill_rank, kill_step = kills[restart] if restart < len(kills) else (None, None)  # attempt i: the i-th kill
     runs = []
     for name in setups:
         model, opt = build(name)
@@ -106,7 +108,7 @@ def run(out: Path, *, steps: int, every: int, setups: list[str], kill_rank: int 
     for step in range(next(iter(starts.values())) + 1, steps + 1):
         for i, (_name, model, opt, ckpt) in enumerate(runs):
             train_step(model, opt)
-            if step == kill_step and rank == kill_rank and restart == 0 and i == 0:
+            if step == kill_step and rank == kill_rank and i == 0:
                 sys.stdout.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
             ckpt.maybe_save(step, model=model, optimizer=opt)
@@ -124,10 +126,14 @@ def main() -> None:
     parser.add_argument("--setups", default=",".join(SETUPS))
     parser.add_argument("--kill-rank", type=int, default=None)
     parser.add_argument("--kill-step", type=int, default=None)
+    parser.add_argument("--kills", default="", help="RANK:STEP,...: attempt i kills RANK in STEP (i-th pair)")
     parser.add_argument("--clean-first", default=None,
                         help="on the first attempt, first train an uninterrupted run into this folder (its own "
                              "checkpoints and final-rank<R>.pt), then OUT's run; later attempts skip it")
     args = parser.parse_args()
+    kills = tuple(tuple(int(n) for n in pair.split(":")) for pair in args.kills.split(",") if pair)
+    if args.kill_step is not None:
+        kills = ((args.kill_rank, args.kill_step), *kills)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     if args.clean_first and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
@@ -137,7 +143,7 @@ def main() -> None:
         dist.barrier()
     out = Path(args.out)
     result = run(out, steps=args.steps, every=args.every, setups=args.setups.split(","),
-                 kill_rank=args.kill_rank, kill_step=args.kill_step)
+                 kills=kills)
     torch.save(result, out / f"final-rank{dist.get_rank()}.pt")
     dist.barrier()
     dist.destroy_process_group()
