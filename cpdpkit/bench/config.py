@@ -46,6 +46,9 @@ def slowmo_beta_for(replicas: int) -> float:
     return next(beta for least, beta in _SLOWMO_BETAS if is_int(replicas) and replicas >= least)
 
 
+# The most runs one bench command may hold (each a launched job): a bound, checked before any is built.
+MAX_RUNS = 10_000
+
 @dataclass(frozen=True, kw_only=True)
 class RunSpec:
     """One strategy at one period and one seed: what a launched rank trains."""
@@ -182,6 +185,18 @@ class BenchConfig:
         self._check_topologies()
         if self.inject_fault is not None:
             parse_fault(self.inject_fault, world_size=self.world_size if is_int(self.world_size) else None)
+        self._check_run_count()
+
+    def _check_run_count(self) -> None:
+        """Refuse more than :data:`MAX_RUNS` runs before :meth:`runs` builds them (each run is a launched job of
+        seconds at least, so more is days of work, and a huge ``--seeds`` would exhaust memory building the list)."""
+        per_seed = sum((len(self.periods) if strategy in PERIODIC else 1)
+                       * (len(self.betas) * len(self.outer_lrs) if strategy in OUTER_STEP else 1)
+                       for strategy in self.strategies)
+        count = len(self.topology_names) * self.seeds * per_seed
+        if count > MAX_RUNS:
+            raise ConfigError(f"--seeds {self.seeds} with these strategies, periods and topologies makes {count} "
+                              f"runs, more than {MAX_RUNS}: pass fewer --seeds, --strategies or --periods")
 
     @property
     def topology_names(self) -> tuple[str, ...]:
