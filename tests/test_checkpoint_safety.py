@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import json
 import pickle
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from _checkpoint_setup import setup as _setup
@@ -34,14 +32,6 @@ class Payload:
 
     def __reduce__(self):  # noqa: ANN204
         return (open, (str(self.marker), "w"))
-
-
-@pytest.fixture
-def world1():
-    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=30))
-    yield
-    dist.destroy_process_group()
 
 
 def _saved(tmp_path: Path) -> tuple[Path, Path, tuple]:

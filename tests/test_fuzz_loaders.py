@@ -12,25 +12,15 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 
+from _fuzz_cases import fuzzed as _fuzzed
+from _fuzz_cases import no_crash as _no_crash
 from _fuzz_targets import TARGETS, outcome, read_case
 
 pytestmark = pytest.mark.timeout(120)
 
 DATA = Path(__file__).parent / "data" / "fuzz"
-
-
-def _fuzzed(max_examples: int):  # noqa: ANN202 - a decorator
-    return settings(max_examples=max_examples, deadline=None, derandomize=True, database=None, print_blob=True,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-
-
-def _no_crash(target: str, case: dict[str, bytes]) -> str:
-    with tempfile.TemporaryDirectory() as tmp:
-        kind, detail = outcome(TARGETS[target], case, Path(tmp))
-    assert kind != "crash", f"{target} crashed on {sorted(case)}: {detail}"
-    return kind
 
 
 # ---- fuzzed, derandomized (the same cases on every run) ----------------------------------------------------
