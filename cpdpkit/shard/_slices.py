@@ -246,9 +246,14 @@ class SliceExecutor(ExecutorStateMixin):
         """A zeroed reduce-scatter input for ``unit``: its vector goes into the first ``numel`` elements."""
         return torch.zeros(unit.chunk * self._rep_size, dtype=dtype, device=self._device)
 
-    def _grad_ready(self, unit: SliceUnit, send: torch.Tensor) -> None:
-        """``unit``'s gradient is ready (its hook): launch its reduce-scatter, then this point's exchanges."""
-        self._clock.unit_backward_enter(unit.plan_index, time.perf_counter())
+    def _grad_ready(self, unit: SliceUnit, send: torch.Tensor, *, clocked: bool = True) -> None:
+        """``unit``'s gradient is ready (its hook): launch its reduce-scatter, then this point's exchanges.
+
+        ``clocked=False``: the caller's own hook clocks the unit's backward (the partial executor
+        hands a unit on one hook later, once its in-node reduce-scatter is done).
+        """
+        if clocked:
+            self._clock.unit_backward_enter(unit.plan_index, time.perf_counter())
         if unit.ready:
             raise PlannerError(f"{type(self).__name__}: a second synced backward before step() (unit {unit.name!r} "
                                "already has its gradient); call step() after each synced backward, or use "
@@ -267,7 +272,8 @@ class SliceExecutor(ExecutorStateMixin):
             self._untaken.append(unit)
         if self.update_in_backward:
             self._trigger(self._triggers.get(unit.name, []))
-        self._clock.unit_backward_exit(time.perf_counter())
+        if clocked:
+            self._clock.unit_backward_exit(time.perf_counter())
 
     def _begin_backward(self) -> None:
         """At the first hook of a synced backward: queue the end-of-backward callback."""
@@ -385,13 +391,20 @@ class SliceExecutor(ExecutorStateMixin):
         self._finish(unit)  # an exchange of an earlier step that no forward has consumed
         send = unit.slice_param.new_zeros(unit.chunk)
         send[:unit.hi - unit.lo].copy_(unit.slice_param.detach())
-        recv = send.new_empty(unit.chunk * self._rep_size)
+        recv = self._ag_buffer(unit, send)
         with record_function(SHARD.PARAM_ALL_GATHER.label):
             work = ALL_GATHER(recv, send, group=self._rep_group, async_op=True)
         unit.pending_ag = (work, recv, send)
         unit.launched = True
 
-    def _finish(self, unit: SliceUnit) -> None:
+    def _ag_buffer(self, unit: SliceUnit, send: torch.Tensor) -> torch.Tensor:
+        """Where the replicate-axis all-gather of ``unit`` lands (``R·chunk`` elements)."""
+        return send.new_empty(unit.chunk * self._rep_size)
+
+    def _finish(self, unit: SliceUnit, *, wait_model: bool = True) -> None:
+        """Wait ``unit``'s pending exchange and hand it to the model; ``wait_model=False`` lets an
+        executor whose hand-back is itself a collective leave that in flight (the partial executor's
+        in-node all-gather, waited by the unit's next forward)."""
         if unit.pending_ag is None:
             return
         work, recv, _send = unit.pending_ag
@@ -428,7 +441,7 @@ class SliceExecutor(ExecutorStateMixin):
                     self._launch(u)
         for u in self._exec_order:
             if u.stage == 1:
-                self._finish(u)
+                self._finish(u, wait_model=False)
         norm = self._norm
         self._num_steps += 1
         if self.max_grad_norm is not None:
