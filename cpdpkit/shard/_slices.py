@@ -44,7 +44,7 @@ from cpdpkit.shard._executor_state import ExecutorStateMixin
 from cpdpkit.shard._slice_schedule import END, UnitClock, apply_slots, stage1_triggers
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "optimizer_state_bytes", "SliceUnit", "SliceExecutor", "check_inputs",
-           "build_mesh", "chunk_of", "slice_bounds", "REDUCE_SCATTER", "ALL_GATHER"]
+           "build_mesh", "chunk_of", "slice_bounds", "REDUCE_SCATTER", "ALL_GATHER", "MP_DTYPES", "mp_dtypes"]
 
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
@@ -78,6 +78,32 @@ def _refuse(optimizer: torch.optim.Optimizer, who: str) -> None:
         f"{who} cannot run optimizer {name}: each replica updates only a 1/R slice of its shard, so "
         f"the update of one element must depend only on that element's gradient and state (an elementwise "
         f"optimizer); {name} is not one of the known elementwise optimizers ({allowed})")
+
+
+MP_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def mp_dtypes(who: str, mp_policy: Any, *, check_param: bool = False) -> tuple[torch.dtype, torch.dtype]:
+    """``(param_dtype, reduce_dtype)`` of a ``MixedPrecisionPolicy`` (``None``: float32 both), checked.
+
+    The reduce dtype must be float32 or bfloat16; with ``check_param`` the param dtype too (the
+    partial executor keeps the replicated parameters in it)."""
+    if mp_policy is None:
+        return torch.float32, torch.float32
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise PlannerError(f"mp_policy = {type(mp_policy).__name__} must be a "
+                           "torch.distributed.fsdp.MixedPrecisionPolicy or None")
+    param = mp_policy.param_dtype or torch.float32
+    if check_param and param not in MP_DTYPES:
+        raise PlannerError(f"mp_policy computes in param_dtype = {param}; {who} supports float32 or bfloat16 "
+                           "parameters: set param_dtype=torch.bfloat16 (or torch.float32)")
+    dtype = mp_policy.reduce_dtype or mp_policy.param_dtype or torch.float32
+    if dtype not in MP_DTYPES:
+        raise PlannerError(f"mp_policy reduces gradients in {dtype}; {who} supports float32 or "
+                           "bfloat16 reductions: set reduce_dtype=torch.float32 (or torch.bfloat16)")
+    return param, dtype
 
 
 def check_inputs(who: str, model: nn.Module, optimizer_factory: OptimizerFactory, max_grad_norm: Any,
@@ -178,6 +204,7 @@ class SliceExecutor(ExecutorStateMixin):
         self._rep_group = mesh.get_group("replicate")
         self._rep_size = mesh.size(0)
         self._rep_rank = mesh.get_local_rank("replicate")
+        self._gather_dtype = torch.float32  # what the updated slices travel in (the partial executor: param_dtype)
         if self.max_grad_norm is not None and mesh.size() != dist.get_world_size():
             raise PlannerError(f"max_grad_norm with a mesh of {mesh.size()} of the world's {dist.get_world_size()} "
                                "ranks: the norm is all-reduced over the world; clip with a mesh of the whole world")
@@ -389,7 +416,7 @@ class SliceExecutor(ExecutorStateMixin):
 
     def _launch(self, unit: SliceUnit) -> None:
         self._finish(unit)  # an exchange of an earlier step that no forward has consumed
-        send = unit.slice_param.new_zeros(unit.chunk)
+        send = unit.slice_param.new_zeros(unit.chunk, dtype=self._gather_dtype)
         send[:unit.hi - unit.lo].copy_(unit.slice_param.detach())
         recv = self._ag_buffer(unit, send)
         with record_function(SHARD.PARAM_ALL_GATHER.label):

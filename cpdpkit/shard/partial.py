@@ -51,6 +51,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.profiler import record_function
+from torch.utils._pytree import tree_map
 
 from cpdpkit.labels import SHARD
 from cpdpkit.planner.config import PlannerError
@@ -64,6 +65,7 @@ from cpdpkit.shard._slices import (
     build_mesh,
     check_inputs,
     chunk_of,
+    mp_dtypes,
     slice_bounds,
 )
 
@@ -83,6 +85,7 @@ class _Bucket(SliceUnit):
     grad_views: list[torch.Tensor]
     node_grad: torch.Tensor  # R·d: [:c] the in-node reduce-scatter's output, the tail stays zero
     node_param: torch.Tensor  # R·d: the cross-node all-gather's output, [:c] the in-node all-gather's input
+    flat_reduce: torch.Tensor | None  # S·c in reduce_dtype when it differs from param_dtype (one cast per bucket)
     num_accumulated: int = 0  # parameters whose gradient this backward has accumulated
     pending_node_rs: Any = None  # the in-node reduce-scatter of this backward, until its hand-on
     pending_node_ag: Any = None  # the in-node all-gather into flat_param, until the unit's next forward
@@ -106,7 +109,7 @@ class PartialShardExecutor(SliceExecutor):
 
     def __init__(self, model: nn.Module, plan: ShardingPlan, optimizer_factory: OptimizerFactory, *,
                  mesh: DeviceMesh | None = None, max_grad_norm: float | None = None,
-                 update_in_backward: bool = True) -> None:
+                 update_in_backward: bool = True, mp_policy: Any = None) -> None:
         if not isinstance(plan, ShardingPlan):
             raise TypeError(f"plan = {type(plan).__name__} must be a ShardingPlan")
         kind = getattr(plan, "param_sharding", None)
@@ -114,6 +117,7 @@ class PartialShardExecutor(SliceExecutor):
             raise PlannerError(f"plan {plan.strategy!r} has param_sharding = {kind!r}; PartialShardExecutor runs "
                                "partial plans: plan with PlannerConfig(param_sharding='replicated'), or run this "
                                "plan with TwoStageExecutor / apply_plan")
+        self._param_dtype, self._reduce_dtype = mp_dtypes("PartialShardExecutor", mp_policy, check_param=True)
         check_inputs("PartialShardExecutor", model, optimizer_factory, max_grad_norm, update_in_backward)
         if any(hasattr(p, "placements") for p in model.parameters()):
             raise PlannerError("PartialShardExecutor needs the plain (unsharded) model, but its parameters are "
@@ -121,6 +125,7 @@ class PartialShardExecutor(SliceExecutor):
         units = self._unit_params(model, plan)
         mesh = build_mesh("PartialShardExecutor", model, plan, mesh)
         self._setup_axes(plan, mesh, max_grad_norm, update_in_backward)
+        self._gather_dtype = self._param_dtype
         self.model = model
         self._shard_group = mesh.get_group("shard")
         self._shard_size = mesh.size(1)
@@ -129,6 +134,8 @@ class PartialShardExecutor(SliceExecutor):
         buckets = [self._make_unit(*args) for args in units]
         self._broadcast_init([b for b in buckets if b.params])
         self._setup_pipeline(buckets, optimizer_factory)
+        if self._param_dtype != torch.float32:
+            self._lower_params(mp_policy.cast_forward_inputs)
         self._attach_grads()
 
     # ---- setup -----------------------------------------------------------------------------
@@ -162,8 +169,9 @@ class PartialShardExecutor(SliceExecutor):
         m = max(0, min(c, n - offset))  # the real elements of this rank's node slice
         lo, hi = slice_bounds(m, d, self._rep_rank)
         device = params[0].device if params else torch.device("cpu")
-        flat_param = torch.zeros(s * c, device=device)
-        flat_grad = torch.zeros(s * c, device=device)
+        flat_param = torch.zeros(s * c, device=device)  # float32 until _lower_params (the slices' masters)
+        flat_grad = torch.zeros(s * c, dtype=self._param_dtype, device=device)
+        low = self._param_dtype != self._reduce_dtype
         with torch.no_grad():
             for p, piece in zip(params, flat_param[:n].split(numels)):
                 piece.copy_(p.detach().reshape(-1))
@@ -172,8 +180,9 @@ class PartialShardExecutor(SliceExecutor):
         unit = _Bucket(name=name, plan_index=plan_index, modules=modules, params=params, numel=m, chunk=d,
                        lo=lo, hi=hi, slice_param=nn.Parameter(torch.zeros(hi - lo, device=device)), numels=numels,
                        total=n, node_chunk=c, offset=offset, flat_param=flat_param, flat_grad=flat_grad,
-                       grad_views=grad_views, node_grad=torch.zeros(r * d, device=device),
-                       node_param=torch.zeros(r * d, device=device))
+                       grad_views=grad_views, node_grad=torch.zeros(r * d, dtype=self._reduce_dtype, device=device),
+                       node_param=torch.zeros(r * d, dtype=self._param_dtype, device=device),
+                       flat_reduce=torch.zeros(s * c, dtype=self._reduce_dtype, device=device) if low else None)
         for p, view in zip(params, grad_views):
             p.register_post_accumulate_grad_hook(lambda p, u=unit, v=view: self._on_param_grad(u, p, v))
         return unit
@@ -189,6 +198,37 @@ class PartialShardExecutor(SliceExecutor):
         with torch.no_grad():
             for b in buckets:
                 b.slice_param.copy_(b.flat_param[b.offset + b.lo:b.offset + b.hi])
+
+    def _lower_params(self, cast_inputs: bool) -> None:
+        """mp_policy: the replicated parameters in param_dtype (the float32 masters are the slices)."""
+        for u in self._units:
+            low = u.flat_param.to(self._param_dtype)
+            with torch.no_grad():
+                for p, piece in zip(u.params, low[:u.total].split(u.numels)):
+                    p.data = piece.view_as(p)
+            u.flat_param = low
+        if cast_inputs:
+            dtype = self._param_dtype
+
+            def cast(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+                return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                                else t, (args, kwargs))
+
+            self.model.register_forward_pre_hook(cast, with_kwargs=True)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        self._full_precision_model("state_dict")
+        return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self._full_precision_model("load_state_dict")
+        super().load_state_dict(*args, **kwargs)
+
+    def _full_precision_model(self, what: str) -> None:
+        if self._param_dtype != torch.float32:
+            raise PlannerError(f"PartialShardExecutor.{what}() with mp_policy param_dtype = {self._param_dtype}: the "
+                               "checkpoint restores the float32 slices from the model, which holds "
+                               f"{self._param_dtype}; checkpoint without mp_policy (or with param_dtype=torch.float32)")
 
     # ---- gradients: views of the buckets -----------------------------------------------------------
     @staticmethod
@@ -229,8 +269,9 @@ class PartialShardExecutor(SliceExecutor):
                                "already has its gradient); call step() after each synced backward, or use "
                                "set_requires_gradient_sync(False) for the micro-batches that only accumulate")
         self._begin_backward()
+        grads = unit.flat_grad if unit.flat_reduce is None else unit.flat_reduce.copy_(unit.flat_grad)
         with record_function(SHARD.GRAD_REDUCE_SCATTER.label):  # in the node, async: mean over S
-            unit.pending_node_rs = REDUCE_SCATTER(unit.node_grad[:unit.node_chunk], unit.flat_grad,
+            unit.pending_node_rs = REDUCE_SCATTER(unit.node_grad[:unit.node_chunk], grads,
                                                   op=dist.ReduceOp.AVG, group=self._shard_group, async_op=True)
         self._hand_on(keep=0)
         self._handing.append(unit)
