@@ -84,8 +84,11 @@ def check_output_file(path: str | os.PathLike[str] | None, option: str, *, input
     return out
 
 
-def check_output_dir(path: str | os.PathLike[str] | None, option: str, *, inputs: Inputs = ()) -> Path | None:
-    """Before any work: ``path`` is (or can be made) a folder a file can be created in; else one line."""
+def check_output_dir(path: str | os.PathLike[str] | None, option: str, *, inputs: Inputs = (),
+                     keep: bool = True) -> Path | None:
+    """Before any work: ``path`` is (or can be made) a folder a file can be created in; else one line. With
+    ``keep=False`` the folders it had to make are removed again (for a writer that makes them itself after checks
+    of its own, which then leave nothing behind)."""
     if path is None:
         return None
     out = Path(path)
@@ -94,6 +97,7 @@ def check_output_dir(path: str | os.PathLike[str] | None, option: str, *, inputs
     for given in inputs:
         if given is not None and _same(out, Path(given)):
             raise ConfigError(f"{option} {str(path)!r} is also an input of this command; pass another folder")
+    made = [] if keep else [d for d in (out, *out.parents) if not d.exists()]
     try:
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=out, prefix=".cpdpkit-", suffix=".check"):
@@ -101,6 +105,12 @@ def check_output_dir(path: str | os.PathLike[str] | None, option: str, *, inputs
     except OSError as exc:
         raise ConfigError(f"{option} {str(path)!r} cannot be written ({exc.strerror or exc}); pass a writable "
                           "folder") from None
+    finally:
+        for d in made:  # innermost first; the run that writes there creates it again
+            try:
+                d.rmdir()
+            except OSError:
+                break
     return out
 
 

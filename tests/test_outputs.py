@@ -134,3 +134,11 @@ def test_output_folders(tmp_path: Path) -> None:
     proc = _cli("launch", "--profile", str(tmp_path / "a-file"), str(tmp_path / "a-file"))
     assert proc.returncode == 2 and proc.stderr.strip().startswith(f"error: --profile {str(tmp_path / 'a-file')!r} is")
     assert check_output_dir(tmp_path / "new" / "dir", "--profile") == tmp_path / "new" / "dir"
+
+
+def test_output_folder_check_can_leave_nothing_behind(tmp_path: Path) -> None:
+    assert check_output_dir(tmp_path / "a" / "b", "--work-dir", keep=False) == tmp_path / "a" / "b"
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "there").mkdir()
+    check_output_dir(tmp_path / "there", "--work-dir", keep=False)
+    assert [p.name for p in tmp_path.iterdir()] == ["there"] and list((tmp_path / "there").iterdir()) == []

@@ -348,7 +348,7 @@ def _run_main(config: BenchConfig, *, json_out: str | None, plot: str | None, wo
     prepare_output(json_out, "--json", inputs)  # so does an output path that cannot be written
     prepare_output(plot, "--plot", inputs, suffixes=PLOT_SUFFIXES)
     check_output_dir(config.profile_dir, "--profile", inputs=inputs)
-    check_output_dir(work_dir, "--work-dir", inputs=inputs)
+    check_output_dir(work_dir, "--work-dir", inputs=inputs, keep=False)
     with tempfile.TemporaryDirectory(prefix="cpdpkit-bench-") as tmp:
         report = _run_with_progress(config, Path(work_dir or tmp), topologies)
     _print_report(report)
