@@ -276,8 +276,10 @@ class SliceExecutor(ExecutorStateMixin):
     def _grad_ready(self, unit: SliceUnit, send: torch.Tensor, *, clocked: bool = True) -> None:
         """``unit``'s gradient is ready (its hook): launch its reduce-scatter, then this point's exchanges.
 
-        ``clocked=False``: the caller's own hook clocks the unit's backward (the partial executor
-        hands a unit on one hook later, once its in-node reduce-scatter is done).
+        ``clocked=False``: the caller's own hook clocks the unit's backward and fires the unit's
+        trigger point itself (:meth:`_fire`): the partial executor hands a unit on one hook later,
+        once its in-node reduce-scatter is done, but the stage-1 exchanges due at a unit's point
+        start at that unit's own hook, as the schedule predicts.
         """
         if clocked:
             self._clock.unit_backward_enter(unit.plan_index, time.perf_counter())
@@ -297,10 +299,14 @@ class SliceExecutor(ExecutorStateMixin):
             # rank); a full bucket crosses the sites under the rest of backward.
             self._take_untaken()
             self._untaken.append(unit)
-        if self.update_in_backward:
-            self._trigger(self._triggers.get(unit.name, []))
         if clocked:
+            self._fire(unit.name)
             self._clock.unit_backward_exit(time.perf_counter())
+
+    def _fire(self, point: str) -> None:
+        """The stage-1 exchanges due at gradient-ready point ``point`` (a unit's name)."""
+        if self.update_in_backward:
+            self._trigger(self._triggers.get(point, []))
 
     def _begin_backward(self) -> None:
         """At the first hook of a synced backward: queue the end-of-backward callback."""

@@ -275,6 +275,7 @@ class PartialShardExecutor(SliceExecutor):
                                                   op=dist.ReduceOp.AVG, group=self._shard_group, async_op=True)
         self._hand_on(keep=0)
         self._handing.append(unit)
+        self._fire(unit.name)  # the exchanges due here: their units were handed on above (this one is carried)
         self._clock.unit_backward_exit(time.perf_counter())
 
     def _hand_on(self, keep: int) -> None:
