@@ -18,6 +18,7 @@ from cpdpkit.bench.periodic.config import BENCH_STRATEGIES, DEFAULT_STRATEGIES, 
 from cpdpkit.bench.periodic.runner import run_one
 from cpdpkit.cli import app
 from cpdpkit.cli.bench import _bench_config
+from cpdpkit.sync.config import SyncConfig
 
 RESULT_KEYS = {"strategy", "period", "peak_test_acc", "final_test_acc", "wall_s", "step_s",
                "exposed_sync_s_per_step", "bytes_per_step", "seeds"}
@@ -57,7 +58,7 @@ def test_quick_bench_writes_table_json_plot_and_traces(tmp_path):
 def _spec(**kw) -> RunSpec:
     base = dict(strategy="cpdp", period=2, seed=0, model="cnn", dataset="synthetic",
                 data_dir=None, epochs=1, batch_size=32, lr=0.1, momentum=0.0,
-                slowmo_momentum=0.5, quick=True)
+                sync=SyncConfig(slowmo_momentum=0.5), quick=True)
     base.update(kw)
     return RunSpec(**base)
 
