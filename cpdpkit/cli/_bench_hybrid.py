@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cpdpkit._outputs import check_output_dir, write_output
+from cpdpkit._outputs import PLOT_SUFFIXES, check_output_dir, write_output
 from cpdpkit.bench.hybrid.goals import goal_lines
 from cpdpkit.cli._app import out_console, prepare_output
 from cpdpkit.cli._bench_sharding import _f, fill_table, run_and_print
@@ -41,7 +41,7 @@ def run_hybrid_suite(config: HybridBenchConfig, *, json_out: str | None, plot: s
 
     prepared = prepare(config)  # once: a bad topology fails before the output paths are touched
     prepare_output(json_out, "--json")  # a bad path fails now, not after every run
-    prepare_output(plot, "--plot")
+    prepare_output(plot, "--plot", suffixes=PLOT_SUFFIXES)
     check_output_dir(config.profile_dir, "--profile")
 
     report = run_and_print(lambda work, emit: run_hybrid_bench(config, work, emit, prepared=prepared),

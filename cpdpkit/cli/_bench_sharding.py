@@ -68,6 +68,7 @@ def run_and_print(run: Callable[[Path, Callable[[tuple[Any, ...]], None]], Any],
             out_console.print(f"{event[1]}: {r['status']} in {r['launch_s']:.1f} s"
                               + (f" ({r.get('reason')})" if r["status"] != "ok" else ""))
 
+    check_output_dir(work_dir, "--work-dir", keep=False)  # before any launch: a file there would fail after planning
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         report = run(Path(work_dir or tmp), emit)
     out_console.print(table(report))

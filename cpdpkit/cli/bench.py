@@ -24,7 +24,7 @@ import typer
 from rich.markup import escape
 from typer.core import TyperGroup
 
-from cpdpkit._outputs import check_output_dir, write_output
+from cpdpkit._outputs import PLOT_SUFFIXES, check_output_dir, write_output
 from cpdpkit.cli._app import app, err_console, out_console, prepare_output
 from cpdpkit.cli._bench_hybrid import hybrid_config, run_hybrid_suite
 from cpdpkit.cli._bench_plot import plot_accuracy_vs_wall
@@ -346,8 +346,9 @@ def _run_main(config: BenchConfig, *, json_out: str | None, plot: str | None, wo
     topologies = resolve_bench_topologies(config)  # once, here: a bad topology fails before any launch
     inputs = (config.data_dir, *config.topology_names)
     prepare_output(json_out, "--json", inputs)  # so does an output path that cannot be written
-    prepare_output(plot, "--plot", inputs)
+    prepare_output(plot, "--plot", inputs, suffixes=PLOT_SUFFIXES)
     check_output_dir(config.profile_dir, "--profile", inputs=inputs)
+    check_output_dir(work_dir, "--work-dir", inputs=inputs, keep=False)
     with tempfile.TemporaryDirectory(prefix="cpdpkit-bench-") as tmp:
         report = _run_with_progress(config, Path(work_dir or tmp), topologies)
     _print_report(report)
