@@ -80,7 +80,8 @@ def test_failed_and_diverged_runs_are_reported_with_their_reason(tmp_path):
 @pytest.mark.timeout(120)
 def test_auto_k_run_reports_its_k_over_time(tmp_path):
     config = BenchConfig(world_size=2, topologies=("lan", "wan"))
-    result = run_one(_spec(strategy="cpdp-auto", period=None, k_max=4, topology="wan"), config, tmp_path)
+    spec = _spec(strategy="cpdp-auto", period=None, sync=SyncConfig(slowmo_momentum=0.5, k_max=4), topology="wan")
+    result = run_one(spec, config, tmp_path)
     assert result["status"] == "ok", result.get("reason")
     assert Path(result["run_dir"]).name == "wan-cpdp-auto-seed0" and result["topology"] == "wan"
     history = result["period_history"]

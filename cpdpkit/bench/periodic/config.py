@@ -196,11 +196,10 @@ class BenchConfig:
         if self.inject_fault is not None:
             parse_fault(self.inject_fault, world_size=self.world_size if is_int(self.world_size) else None)
         self._check_run_count()
-        object.__setattr__(self, "sync", SyncConfig(
-            slowmo_momentum=self.betas[0], slowmo_lr=self.slowmo_lr, warmup_steps=self.warmup_steps,
-            optimizer_state=self.optimizer_state, target_exposed_frac=self.target_exposed_frac, k_min=self.k_min,
-            k_max=self.k_max, max_divergence=self.max_divergence, outer_optimizer=self.outer_optimizer,
-            outer_lr=self.outer_lrs[0]))
+        # SyncConfig's options by their own names (SYNC_KEYS), the swept two at their first point
+        options = {key: getattr(self, key) for key in SYNC_KEYS}
+        object.__setattr__(self, "sync", SyncConfig(**{**options, "slowmo_momentum": self.betas[0],
+                                                        "outer_lr": self.outer_lrs[0]}))
 
     def _check_run_count(self) -> None:
         """Refuse more than :data:`MAX_RUNS` runs before :meth:`runs` builds them (each run is a launched job of
