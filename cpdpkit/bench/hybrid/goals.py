@@ -9,14 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from cpdpkit.bench.report import verdict as _mark
+
 __all__ = ["STEP_TARGET", "LOSS_REL_TARGET", "MEMORY_SHARDS", "goal_lines"]
 
 STEP_TARGET, LOSS_REL_TARGET = 0.5, 0.02  # step time vs hsdp-global's (median over periods); final loss, relative
 MEMORY_SHARDS = 2  # SlowMo's anchor and slow momentum: one fp32 copy of the parameter shard each, over hsdp-global's
-
-
-def _mark(ok: bool | None) -> str:
-    return "met" if ok else "not met"
 
 
 def goal_lines(goals: dict[str, Any]) -> list[str]:

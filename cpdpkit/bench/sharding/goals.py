@@ -9,16 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from cpdpkit.bench.report import verdict as _mark
+
 __all__ = ["STEP_TARGET", "HSDP_COMM_TARGET", "LOSS_TARGET", "BYTES_TARGET", "STAGE1_TARGET", "goal_lines"]
 
 # two-stage's step time vs the fastest peer; its exposed communication vs hsdp's; every loss vs hsdp's;
 # partial's bytes per link vs one DDP all-reduce; stage-1 exchanges measured vs predicted
 STEP_TARGET, HSDP_COMM_TARGET, LOSS_TARGET, BYTES_TARGET, STAGE1_TARGET = 0.85, 0.5, 1e-4, 1.01, 1.0
 _LOSS = f"{LOSS_TARGET:.0e}".replace("e-0", "e-")  # "1e-4"
-
-
-def _mark(ok: bool | None) -> str:
-    return "met" if ok else "not met"
 
 
 def goal_lines(goals: dict[str, Any]) -> list[str]:
