@@ -17,14 +17,13 @@ sequence by a random offset in ``[-MAX_SHIFT, MAX_SHIFT]``, filling with zeros (
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from cpdpkit.bench.data.dataset import Dataset
+from cpdpkit.bench.data.dataset import Dataset, check_dataset_packages
 from cpdpkit.errors import ConfigError
 
 __all__ = ["MAX_SHIFT", "MNIST1D_SIZES", "SEQUENCE_LENGTH", "check_mnist1d", "load_mnist1d", "random_shift"]
@@ -38,9 +37,7 @@ _MAX_CACHE_BYTES = 64 * 1024 * 1024  # a cache holds (train + test) x 40 float32
 
 def check_mnist1d() -> None:
     """A ConfigError naming the fix when the ``mnist1d`` package is not installed (before any rank starts)."""
-    if importlib.util.find_spec("mnist1d") is None:
-        raise ConfigError("--dataset mnist1d needs the mnist1d package, which is not installed: pip install "
-                          "'cpdpkit[mnist1d]' (make setup installs it)")
+    check_dataset_packages("mnist1d")
 
 
 def _generate(num_train: int, num_test: int) -> tuple[np.ndarray, ...]:

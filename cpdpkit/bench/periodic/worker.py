@@ -176,12 +176,6 @@ def _params_sha256(module: nn.Module, world: int) -> list[str]:
     return [str(d) for d in out]
 
 
-def _sync_kw(spec: RunSpec) -> dict:
-    return {"overlap_steps": spec.overlap_steps, "target_exposed_frac": spec.target_exposed_frac,
-            "k_min": spec.k_min, "k_max": spec.k_max, "max_divergence": spec.max_divergence,
-            "outer_optimizer": spec.outer_optimizer, "outer_lr": spec.outer_lr}
-
-
 def _profiled(spec: RunSpec):
     import contextlib
 
@@ -208,11 +202,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(spec.seed)
     module = build_model(spec.model, data.input_shape, data.num_classes)
     total_steps = spec.epochs * _steps_per_epoch(spec, data, world)  # the LR schedule spans the run
-    runner = build_strategy(spec.strategy, spec.period, module, lr=spec.lr,
-                            momentum=spec.momentum, slowmo_momentum=spec.slowmo_momentum,
-                            slowmo_lr=spec.slowmo_lr, warmup_steps=spec.warmup_steps,
-                            optimizer_state=spec.optimizer_state, lr_schedule=spec.lr_schedule,
-                            total_steps=total_steps, sync=_sync_kw(spec))
+    runner = build_strategy(spec.strategy, spec.period, module, lr=spec.lr, momentum=spec.momentum,
+                            lr_schedule=spec.lr_schedule, total_steps=total_steps, sync=spec.sync,
+                            overlap_steps=spec.overlap_steps)
     setup_s = time.perf_counter() - t0
     with _profiled(spec) as prof:
         out = _train(spec, runner, data, run_dir, rank, world, prof)
