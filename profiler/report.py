@@ -313,6 +313,9 @@ class TraceIssue:
     path: str
     error: str
     warning: bool = False  # the rest was analysed (missing ranks); ``cpdpkit profile --strict`` exits 2 anyway
+    # the traceback of the exception behind the issue, if one was raised (``cpdpkit --debug
+    # profile`` prints it); not in the JSON, not compared
+    traceback: str | None = field(default=None, compare=False, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {"path": self.path, "error": self.error, **({"warning": True} if self.warning else {})}

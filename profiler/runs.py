@@ -84,7 +84,7 @@ def expand_paths(paths: Iterable[str | os.PathLike[str]]) -> tuple[list[tuple[st
             files = find_trace_files(path)
             subdirs = sorted(e.path for e in os.scandir(path) if e.is_dir() and not e.name.startswith("."))
         except OSError as exc:
-            issues.append(TraceIssue(path, f"{path}: cannot list the folder ({exc.strerror or exc})"))
+            issues.append(_issue(path, f"{path}: cannot list the folder ({exc.strerror or exc})", exc))
             continue
         if files:
             runs.append((path, files))
@@ -114,9 +114,16 @@ def _with_what_if(report: RunReport, timelines: dict[str, RankTimeline], spec: s
     try:
         topology = resolve_topology(spec, world_size=size)
     except TopologyError as exc:
-        return report, [TraceIssue(report.path, f"{report.path}: --what-if {spec}: {exc}")]
+        return report, [_issue(report.path, f"{report.path}: --what-if {spec}: {exc}", exc)]
     mine = [timelines[r.path] for r in report.ranks if r.path in timelines]
     return dataclasses.replace(report, what_if=predict_run(mine, topology, name=spec, world_size=size)), []
+
+
+def _issue(path: str, text: str, exc: BaseException) -> TraceIssue:
+    """The issue of a caught exception, with its traceback for ``cpdpkit --debug profile``."""
+    import traceback  # only when something failed: not on the command's startup path
+
+    return TraceIssue(path, text, traceback="".join(traceback.format_exception(exc)))
 
 
 def analyze_run(run_path: str, files: Sequence[str], *, name: str | None = None, what_if: str | None = None,
@@ -131,7 +138,7 @@ def analyze_run(run_path: str, files: Sequence[str], *, name: str | None = None,
     try:
         info = read_run_info(folder)
     except TraceFileError as exc:
-        issues.append(TraceIssue(exc.path, str(exc)))
+        issues.append(_issue(exc.path, str(exc), exc))
         info = {}
     files = [os.fspath(f) for f in files]
     run_json = os.path.join(folder, RUN_JSON)
@@ -160,11 +167,11 @@ def analyze_run(run_path: str, files: Sequence[str], *, name: str | None = None,
                 world_sizes.extend(w for w in [world_size_in_meta(trace.meta)] if w is not None)
             hints.append(hint)
         except TraceFileError as exc:
-            issues.append(TraceIssue(exc.path, str(exc)))
-        except MemoryError:
-            issues.append(TraceIssue(path, f"{path}: out of memory while reading the trace"))
+            issues.append(_issue(exc.path, str(exc), exc))
+        except MemoryError as exc:
+            issues.append(_issue(path, f"{path}: out of memory while reading the trace", exc))
         except Exception as exc:  # noqa: BLE001 - one bad file must not lose the other ranks
-            issues.append(TraceIssue(path, f"{path}: cannot analyse the trace ({type(exc).__name__}: {exc})"))
+            issues.append(_issue(path, f"{path}: cannot analyse the trace ({type(exc).__name__}: {exc})", exc))
     loaded = {h.path for h in hints}
     final, rank_issues = settle_ranks(hints, run_path=run_path, info=info, run_json=run_json,
                                       failed=[p for p in files if p not in loaded], ranks=rank_map)

@@ -47,3 +47,17 @@ def test_debug_shows_the_traceback_and_still_exits_2(args: list[str]) -> None:
     assert "Traceback" not in plain.stderr and len(plain.stderr.strip().splitlines()) == 1
     assert debug.stderr.startswith("Traceback (most recent call last):")
     assert debug.stderr.strip().splitlines()[-1] == plain.stderr.strip()
+
+
+def test_debug_shows_the_traceback_of_an_error_collected_per_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad" / "rank0.json"
+    bad.parent.mkdir()
+    bad.write_text("not json")
+    good = _trace(tmp_path / "good.json", [MM])
+    plain, debug = _cli("profile", str(bad.parent), str(good)), _cli("--debug", "profile", str(bad.parent), str(good))
+    assert plain.returncode == debug.returncode == 2 and plain.stdout == debug.stdout != ""  # the good run is shown
+    assert "Traceback" not in plain.stderr
+    error = next(line for line in plain.stderr.splitlines() if str(bad) in line)
+    before, _, after = debug.stderr.partition(error)
+    assert before.startswith("Traceback (most recent call last):") and "TraceFileError" in before
+    assert after.strip() == plain.stderr.partition(error)[2].strip()  # the other lines as without --debug

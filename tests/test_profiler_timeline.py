@@ -147,3 +147,33 @@ def test_timeline_path_that_is_an_input_is_refused(tmp_path: Path) -> None:
     result = _cli("profile", str(run), "--timeline", str(inside))
     assert result.returncode == 2 and "would be read as a rank's trace" in result.stderr
     assert not inside.exists()
+
+
+def test_timeline_path_that_is_a_baseline_input_is_refused(tmp_path: Path) -> None:
+    old, new = tmp_path / "old", tmp_path / "new"
+    for run in (old, new):
+        for rank in (0, 1):
+            write_trace(run / f"rank{rank}.json", _gpu_rank(rank, 0.0))
+    trace = old / "rank0.json"
+    before = trace.read_bytes()
+    result = _cli("profile", str(new), "--baseline", str(old), "--timeline", str(trace))
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == (f"error: --timeline {str(trace)!r}: it is a trace file of the run {str(old)!r}; "
+                             "write the timeline outside the run folders (e.g. --timeline timeline.json)\n")
+    assert trace.read_bytes() == before
+    result = _cli("profile", str(new), "--baseline", str(old), "--timeline", str(old / "timeline.json"))
+    assert result.returncode == 2 and "would be read as a rank's trace" in result.stderr
+    assert not (old / "timeline.json").exists()
+
+
+def test_timeline_of_flight_recorder_dumps_is_refused_before_any_work(tmp_path: Path) -> None:
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    for rank in (0, 1):
+        (dumps / f"fr_{rank}").write_text(json.dumps({"version": "2.10", "entries": []}))
+    out = tmp_path / "timeline.json"
+    result = _cli("profile", str(dumps), "--timeline", str(out))
+    assert result.returncode == 2 and result.stdout == "" and not out.exists()
+    assert result.stderr == (f"error: --timeline {str(out)!r}: {str(dumps)!r} holds flight-recorder dumps, which "
+                             "record collectives only, not the ranks' compute, so no timeline is drawn from them; "
+                             "drop --timeline for dumps, or pass the run's profiler trace folders\n")

@@ -56,7 +56,7 @@ def parse_profile_args(argv: Sequence[str]) -> tuple[bool, ProfileArgs] | None:
             values[field] = Path(text) if field in _PATHS else text
     if not dirs:
         return None
-    return debug, ProfileArgs(run_dirs=tuple(dirs), **values)
+    return debug, ProfileArgs(run_dirs=tuple(dirs), debug=debug, **values)
 
 
 def try_profile(argv: Sequence[str]) -> int | None:

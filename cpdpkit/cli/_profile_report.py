@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from cpdpkit._outputs import check_output_file, write_output
+from cpdpkit._outputs import PLOT_SUFFIXES, check_output_file, write_output
 from cpdpkit.cli._exit import EXIT_OK, EXIT_REGRESSION, EXIT_USER_ERROR
 from cpdpkit.cli._table import Justify, TextTable
 from cpdpkit.errors import ConfigError
@@ -377,6 +377,7 @@ class ProfileArgs:
     max_events: str | None = None
     strict: bool = False
     timeline: Path | None = None
+    debug: bool = False  # ``cpdpkit --debug profile``: the traceback behind each collected error too
 
 
 _STYLE = {"error": "1;31", "regression": "1;31", "note": "33", "warning": "33"}
@@ -405,23 +406,29 @@ def run_profile(args: ProfileArgs) -> int:
     limits = parse_limits(args.max_trace_bytes, args.max_events)
     inputs = (*args.run_dirs, args.baseline, args.what_if)
     check_output_file(args.json_path, "--json", inputs=inputs)  # before reading any trace
-    check_output_file(args.plot, "--plot", inputs=inputs)
+    check_output_file(args.plot, "--plot", inputs=inputs, suffixes=PLOT_SUFFIXES)
     if args.json_path is not None and args.plot is not None and args.json_path.resolve() == args.plot.resolve():
         raise ConfigError(f"--json and --plot are both {str(args.json_path)!r}: pass two different files")
-    if args.timeline is not None:
-        from cpdpkit.cli._profile_timeline import check_timeline_path
-
-        check_timeline_path(args.timeline, args.run_dirs)
-        check_output_file(args.timeline, "--timeline", inputs=inputs)
     from cpdpkit.cli._profile_flightrec import may_hold_dumps
 
     trace_paths: list[Path | str] = list(args.run_dirs)
-    dumps = []
+    dump_runs: list[tuple[str, list[str]]] = []
     if may_hold_dumps(args.run_dirs):
-        from cpdpkit.profiler.flightrec import analyze_dumps, split_inputs
+        from cpdpkit.profiler.flightrec import split_inputs
 
-        dump_runs, trace_paths = split_inputs(args.run_dirs)  # a bad dump: one line, exit 2, before any output
-        dumps = [analyze_dumps(folder, files) for folder, files in dump_runs]
+        dump_runs, trace_paths = split_inputs(args.run_dirs)  # mixed folders: one line, exit 2, before any output
+    if args.timeline is not None:
+        from cpdpkit.cli._profile_timeline import check_timeline_path, refuse_dumps
+
+        refuse_dumps(args.timeline, [folder for folder, _ in dump_runs])
+        baseline = [Path(args.baseline)] if args.baseline is not None and os.path.exists(args.baseline) else []
+        check_timeline_path(args.timeline, (*args.run_dirs, *baseline))
+        check_output_file(args.timeline, "--timeline", inputs=inputs)
+    dumps = []
+    if dump_runs:
+        from cpdpkit.profiler.flightrec import analyze_dumps
+
+        dumps = [analyze_dumps(folder, files) for folder, files in dump_runs]  # a bad dump: one line, exit 2
     report = (analyze(trace_paths, what_if=args.what_if, limits=limits, timeline=args.timeline is not None)
               if trace_paths or not dumps else OverlapReport(runs=(), errors=()))
     bases, base_report = resolve_baseline(report, args.baseline, limits)
@@ -453,6 +460,8 @@ def run_profile(args: ProfileArgs) -> int:
         write_timeline(report, args.timeline)
     sys.stdout.flush()
     for issue in shown.errors:
+        if args.debug and issue.traceback:
+            print(issue.traceback, end="", file=sys.stderr)
         _say("warning" if issue.warning else "error", issue.error)
     for text in problems:
         _say("error", text)

@@ -18,7 +18,7 @@ from cpdpkit.errors import ConfigError
 if TYPE_CHECKING:
     from cpdpkit.profiler import OverlapReport
 
-__all__ = ["check_timeline_path", "write_timeline"]
+__all__ = ["check_timeline_path", "refuse_dumps", "write_timeline"]
 
 
 def check_timeline_path(path: Path, inputs: Sequence[Path]) -> None:
@@ -43,6 +43,16 @@ def check_timeline_path(path: Path, inputs: Sequence[Path]) -> None:
     if what is not None:
         raise ConfigError(f"--timeline {os.fspath(path)!r}: {what}; write the timeline outside the run "
                           "folders (e.g. --timeline timeline.json)")
+
+
+def refuse_dumps(path: Path, dump_inputs: Sequence[str]) -> None:
+    """:class:`ConfigError` when an input is a flight-recorder dump (or a folder of them): a
+    dump records when each collective was entered and completed, not the ranks' compute, so
+    there is no timeline to draw from it (the report still names who entered and who did not)."""
+    if dump_inputs:
+        raise ConfigError(f"--timeline {os.fspath(path)!r}: {dump_inputs[0]!r} holds flight-recorder dumps, which "
+                          "record collectives only, not the ranks' compute, so no timeline is drawn from them; "
+                          "drop --timeline for dumps, or pass the run's profiler trace folders")
 
 
 def write_timeline(report: OverlapReport, path: Path) -> None:

@@ -19,6 +19,7 @@ __all__ = ["profile"]
 
 @app.command("profile")
 def profile(
+    ctx: typer.Context,
     run_dirs: list[Path] = typer.Argument(..., help="Run folders (per-rank traces + run.json), trace files, "
                                           "folders of run folders, or folders of torch flight-recorder dumps.",
                                           show_default=False),
@@ -55,6 +56,7 @@ def profile(
     there is a regression too. Everything that could be analysed is still shown and written.
     """
     code = run_profile(ProfileArgs(tuple(run_dirs), json_path, per_step, baseline, max_regression, plot, what_if,
-                                   max_trace_bytes, max_events, strict, timeline))
+                                   max_trace_bytes, max_events, strict, timeline,
+                                   debug=isinstance(ctx.obj, dict) and bool(ctx.obj.get("debug"))))
     if code != EXIT_OK:
         raise typer.Exit(code)
