@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch import nn
 
 from _ranks import RANKS_TIMEOUT_S, share_ranks
-from cpdpkit.bench.periodic import worker
 from cpdpkit.bench.data.dataset import Dataset
+from cpdpkit.bench.periodic import worker
 
 TEST_N = 37  # odd: the two ranks' slices differ in size
 

@@ -61,7 +61,8 @@ def _resume(rank: int, stop: int, **options) -> dict:
     opt.load_state_dict(ckpt["opt"])
     _train(opt, model, rank, range(stop + 1, STEPS + 1))
     return {"straight": straight, "resumed": [p.detach().clone() for p in model.parameters()],
-            "saved_outer": ckpt["opt"]["cpdpkit"]["outer"], "saved_slow_momentum": ckpt["opt"]["cpdpkit"]["slow_momentum"],
+            "saved_outer": ckpt["opt"]["cpdpkit"]["outer"],
+            "saved_slow_momentum": ckpt["opt"]["cpdpkit"]["slow_momentum"],
             "anchor_numel": sum(a.numel() for a in ckpt["opt"]["cpdpkit"]["anchor"]),
             "slowmo_bytes": opt._flat.slowmo_bytes()}
 
