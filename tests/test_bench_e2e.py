@@ -165,7 +165,7 @@ def test_help_documents_the_configs_defaults():
     assert documented.pop("strategies") == "all but slowmo-overlap and cpdp-step-then-average"
     assert config.strategies == DEFAULT_STRATEGIES
     assert set(BENCH_STRATEGIES) - set(DEFAULT_STRATEGIES) == {"slowmo-overlap", "cpdp-step-then-average"}
-    assert documented.pop("slowmo_momentum").startswith("by replicas: 0 below 8") and config.slowmo_momentum is None
+    assert documented.pop("slowmo_momentum").startswith("0 at every replica count") and config.slowmo_momentum is None
     assert documented.pop("outer_lr") == "diloco 0.7, a torch.optim class 1.0" and config.outer_lr is None
     assert documented.pop("periods") == ",".join(map(str, config.periods))
     assert documented.pop("max_divergence") == "no cap" and config.max_divergence is None

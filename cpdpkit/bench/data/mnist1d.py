@@ -83,12 +83,9 @@ def load_mnist1d(data_dir: str | Path | None, *, quick: bool = False) -> Dataset
 
 def random_shift(x: torch.Tensor, generator: torch.Generator, *, max_shift: int = MAX_SHIFT) -> torch.Tensor:
     """Each (1, L) sequence of the batch ``x`` (N, 1, L) translated by a random offset, zero-filled (a new tensor)."""
-    n, _, length = x.shape
-    offsets = torch.randint(-max_shift, max_shift + 1, (n,), generator=generator).tolist()
-    out = torch.zeros_like(x)
-    for i, d in enumerate(offsets):
-        if d >= 0:
-            out[i, :, d:] = x[i, :, : length - d]
-        else:
-            out[i, :, : length + d] = x[i, :, -d:]
-    return out
+    n, channels, length = x.shape
+    offsets = torch.randint(-max_shift, max_shift + 1, (n,), generator=generator)
+    src = torch.arange(length).view(1, length) - offsets.view(n, 1)  # out[i, :, j] = x[i, :, j - d_i]
+    valid = ((src >= 0) & (src < length)).view(n, 1, length)
+    index = src.clamp(0, length - 1).view(n, 1, length).expand(n, channels, length)
+    return torch.where(valid, torch.gather(x, 2, index), torch.zeros((), dtype=x.dtype))

@@ -36,10 +36,12 @@ PERIODIC = ("localsgd-torch", "localsgd", "slowmo", "cpdp", "cpdp-overlap", "slo
 LR_SCHEDULES = ("constant", "cosine", "step")  # built by cpdpkit.bench.periodic.strategies.build_lr_scheduler
 # the strategies with an outer step: swept over --slowmo-momentum and --outer-lr
 OUTER_STEP = ("slowmo", "cpdp", "cpdp-overlap", "cpdp-auto", "slowmo-overlap", "cpdp-step-then-average")
-# β by replicas. fairscale's SlowMo table (by nodes, at K=48) says 0 below 4, 0.2 at 4, 0.5 at 8, 0.6 at 16+;
-# measured here at K=4, 4 replicas on mnist1d (docs/results.md, "β x K"): β=0 beat 0.2 (1 seed) and 0.5
-# (3 seeds; issue 23 saw the same at 2 replicas), so 0 below 8; 8 and 16 are fairscale's, not measured here
-_SLOWMO_BETAS = ((16, 0.6), (8, 0.5), (1, 0.0))
+# β by replicas, as measured (docs/results.md, "Issue 23, 2026-12-03": β x K at 2 and 8 replicas on stdlib-text,
+# at 2, 4 and 8 on mnist1d): with inner momentum 0.9 kept across reconciliations and K <= 8, β = 0 is the best
+# or within a seed's noise of it at every point, and 0.5 loses 0.7-3.5 pp (stdlib-text) or collapses (mnist1d,
+# 4 and 8 replicas). So 0 at every count; fairscale's table (0.5 at 8 nodes, 0.6 at 16+, at K=48) did not
+# hold at 8 here, and 16+ replicas were not measured. A row (least replicas, β) per measured regime.
+_SLOWMO_BETAS = ((1, 0.0),)
 
 
 def slowmo_beta_for(replicas: int) -> float:
