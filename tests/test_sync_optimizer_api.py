@@ -237,7 +237,7 @@ def test_state_dict_is_torch_standard_plus_cpdpkit(world1):
     assert own["outer"] is None  # SlowMo's state is anchor and slow_momentum
     assert own["in_flight"] is None and own["decisions"] == []
     assert own["schedule"] == {"period": 3, "last_reconcile": 3, "gap": 3}
-    assert own["version"] == 4 and own["step"] == 4 and own["sync_step"] == 3  # averaged after step 2
+    assert own["version"] == 5 and own["step"] == 4 and own["sync_step"] == 3  # averaged after step 2
     assert own["counts"] == {"local_steps": 3, "reconciliations": 1, "gradient_syncs": 1}
     assert own["layout"] == [[32, 8, 16, 2]] and own["config"] == opt.config.to_dict()
     plain = inner.state_dict()
@@ -321,7 +321,7 @@ def test_load_state_dict_refusals(world1):
     with pytest.raises(ConfigError) as info:
         opt.load_state_dict({**sd, "cpdpkit": {**sd["cpdpkit"], "version": 9}})
     assert str(info.value) == (
-        "checkpoint has cpdpkit state version 9, this cpdpkit reads 1 to 4: load it with the "
+        "checkpoint has cpdpkit state version 9, this cpdpkit reads 1 to 5: load it with the "
         "cpdpkit version that saved it")
     assert opt.step_count == 2  # nothing was loaded by a refused call
 

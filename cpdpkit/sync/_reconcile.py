@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from cpdpkit.labels import SYNC
+from cpdpkit.sync._codec import ErrorFeedback
 from cpdpkit.sync._comm import Communicator
 from cpdpkit.sync._flat import SegmentedParameters
 from cpdpkit.sync._outer import OuterStep
@@ -121,6 +122,8 @@ class Reconciler:
         self._ahead = 1 if config.averages_first else 0
         self.sync_step: int | None = None  # average-then-step: the step whose gradients are all-reduced
         self.outer = OuterStep(config, flat)
+        self.feedback = (ErrorFeedback(config.compression, [seg.numel for seg in flat.segments])
+                         if config.compression != "none" else None)
         self.mark(0)
 
     # -- measuring (period="auto") ---------------------------------------------------------
@@ -163,7 +166,10 @@ class Reconciler:
         if cfg.auto:
             measured = self._write_measurement(n, self._flat.stats_slots(values))
         with self._slow.blocking(SYNC.PARAM_AVERAGE):
-            self._slow.average_(values, cfg.bucket_cap_bytes)
+            if self.feedback is None:
+                self._slow.average_(values, cfg.bucket_cap_bytes)
+            else:
+                self._compressed_average_(self._flat.fronts(values))
         if cfg.auto:
             self._decide(n, measured, values)
         averages = self._flat.fronts(values)
@@ -177,13 +183,27 @@ class Reconciler:
         self.schedule.reconciled(n + self._ahead)
         self.sync_step = n + 1
 
+    def _compressed_average_(self, fronts: list[torch.Tensor]) -> None:
+        """``fronts`` (this rank's parameters, per segment) become ``x0 − mean_j decode(code_j)``: each
+        rank's pseudo-gradient ``x0 − x`` plus its residual, encoded, all-gathered as bytes, decoded in
+        rank order (:mod:`cpdpkit.sync._codec`)."""
+        assert self.feedback is not None
+        anchors = [seg.anchor for seg in self._flat.segments]
+        codes = self.feedback.encode([torch.sub(x0, x.to(x0.dtype)) for x0, x in zip(anchors, fronts)])
+        gathered = [torch.empty(self._slow.size * c.numel(), dtype=torch.uint8) for c in codes]
+        works = [self._slow.all_gather_async(out, c) for out, c in zip(gathered, codes)]
+        for work in works:
+            self._slow.wait(work)
+        for x, x0, mean in zip(fronts, anchors, self.feedback.mean_of(gathered, self._slow.size)):
+            x.copy_(torch.sub(x0, mean.to(x0.dtype)))
+
     def _outer_update(self, averages: list[torch.Tensor]) -> None:
         """The outer step on ``averages`` (they become x0), or for localsgd-auto the new reference."""
         cfg = self.config
         if cfg.uses_slowmo:
             with record_function(SYNC.SLOWMO_UPDATE.label):  # local arithmetic, not communication
                 self.outer.update(self._optim.param_groups, averages)
-        elif cfg.auto:
+        elif cfg.auto or self.feedback is not None:  # the next compressed payload's reference too
             self._flat.set_anchor(averages)
 
     # -- overlapped ----------------------------------------------------------------------------
@@ -250,12 +270,15 @@ class Reconciler:
                 "buffers": [[sent.clone(), launched.clone()] for _, sent, launched, _ in flight.buffers.groups],
             }
         return {"schedule": self.schedule.state_dict(), "sync_step": self.sync_step, "outer": self.outer.state_dict(),
-                "decisions": [d.to_dict() for d in self.decisions], "in_flight": pending}
+                "decisions": [d.to_dict() for d in self.decisions], "in_flight": pending,
+                "residuals": None if self.feedback is None else self.feedback.state()}
 
     def load_state_dict(self, own: dict[str, Any], step: int) -> None:
         self.schedule.load_state_dict(own.get("schedule"), step)
         self.decisions = [PeriodDecision.from_dict(d) for d in own.get("decisions", [])]
         self.outer.load_state_dict(own.get("outer"))
+        if self.feedback is not None:
+            self.feedback.load(own.get("residuals"))
         sync_step = own.get("sync_step")
         self.sync_step = None if sync_step is None else int(sync_step)
         pending = own.get("in_flight")
