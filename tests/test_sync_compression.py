@@ -38,19 +38,35 @@ def _train(opt: PeriodicSyncOptimizer, model: nn.Module, rank: int, steps: range
         opt.step()
 
 
-def _localsgd(rank: int, codec: str) -> list[torch.Tensor]:
+def _localsgd(rank: int, codec: str, overlap: int = 0) -> list[torch.Tensor]:
     model = make_model(0)
     opt = PeriodicSyncOptimizer(torch.optim.SGD(model.parameters(), lr=LR), model=model, strategy="localsgd",
-                                period=PERIOD, compression=codec, timeout_s=60)
+                                period=PERIOD, compression=codec, overlap_steps=overlap, timeout_s=60)
     _train(opt, model, rank, range(1, STEPS + 1))
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _build_cpdp(codec: str = "int8") -> tuple[nn.Module, PeriodicSyncOptimizer]:
+def _build_cpdp(codec: str = "int8", overlap: int = 0) -> tuple[nn.Module, PeriodicSyncOptimizer]:
     model = make_model(0)
     inner = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     return model, PeriodicSyncOptimizer(inner, model=model, strategy="cpdp", period=RESUME_PERIOD,
-                                        compression=codec, timeout_s=60)
+                                        compression=codec, overlap_steps=overlap, timeout_s=60)
+
+
+def _resume_in_flight(rank: int) -> dict:
+    """Saved right after step 5 launched its compressed average (overlap_steps=1), resumed into fresh objects."""
+    model, opt = _build_cpdp(overlap=1)
+    _train(opt, model, rank, range(1, RESUME_STEPS + 1))
+    straight = [p.detach().clone() for p in model.parameters()]
+    model, opt = _build_cpdp(overlap=1)
+    _train(opt, model, rank, range(1, 6))
+    state = {"model": model.state_dict(), "opt": opt.state_dict()}
+    model, opt = _build_cpdp(overlap=1)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    _train(opt, model, rank, range(6, RESUME_STEPS + 1))
+    return {"straight": straight, "resumed": [p.detach().clone() for p in model.parameters()],
+            "in_flight": state["opt"]["cpdpkit"]["in_flight"] is not None}
 
 
 def _resume(rank: int) -> dict:
@@ -83,7 +99,8 @@ def _resume(rank: int) -> dict:
 
 def _job(rank: int, world: int) -> dict:
     return {"int8": _localsgd(rank, "int8"), "topk": _localsgd(rank, "topk:0.1"),
-            "none": _localsgd(rank, "none"), "resume": _resume(rank)}
+            "int8-overlap": _localsgd(rank, "int8", overlap=1), "none": _localsgd(rank, "none"),
+            "resume": _resume(rank), "resume_in_flight": _resume_in_flight(rank)}
 
 
 share_ranks(__name__, {"all": (_job, {})}, timeout_s=120.0)
@@ -112,19 +129,27 @@ def _topk(p: torch.Tensor, frac: float) -> torch.Tensor:
     return out
 
 
-def _reference(quantise, world: int = 2) -> list[list[torch.Tensor]]:
-    """localsgd with error feedback: x ← x0 − mean_r q(x0 − x_r + e_r), e_r ← (x0 − x_r + e_r) − q(...)."""
+def _reference(quantise, world: int = 2, overlap: bool = False) -> list[list[torch.Tensor]]:
+    """localsgd with error feedback: x ← x0 − mean_r q(x0 − x_r + e_r), e_r ← (x0 − x_r + e_r) − q(...).
+
+    ``overlap``: the average of step n's parameters x_n is applied after step n + 1 as x ← x̄ + (x − x_n)."""
     models = [make_model(0) for _ in range(world)]
     opts = [torch.optim.SGD(m.parameters(), lr=LR) for m in models]
     flat = [lambda m=m: torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in models]
     anchor = flat[0]()
     residual = [torch.zeros_like(anchor) for _ in range(world)]
+    pending = None
     for n in range(1, STEPS + 1):
         for r in range(world):
             opts[r].zero_grad()
             x, y = batch(r, n)
             nn.functional.mse_loss(models[r](x), y).backward()
             opts[r].step()
+        if pending is not None:
+            average, launched = pending
+            for r, m in enumerate(models):
+                torch.nn.utils.vector_to_parameters(average + (flat[r]() - launched[r]), m.parameters())
+            anchor, pending = average, None
         if n % PERIOD:
             continue
         sent = []
@@ -132,7 +157,11 @@ def _reference(quantise, world: int = 2) -> list[list[torch.Tensor]]:
             payload = anchor - flat[r]() + residual[r]
             sent.append(quantise(payload))
             residual[r] = payload - sent[r]
-        anchor = anchor - torch.stack(sent).mean(dim=0)
+        average = anchor - torch.stack(sent).mean(dim=0)
+        if overlap:
+            pending = (average, [f() for f in flat])
+            continue
+        anchor = average
         for m in models:
             torch.nn.utils.vector_to_parameters(anchor.clone(), m.parameters())
     return [[p.detach().clone() for p in m.parameters()] for m in models]
@@ -153,6 +182,15 @@ def test_error_feedback_equals_an_independent_reference(results, codec):
         # the codec changes the result (else the reference proves nothing)
         assert _max_diff(res[codec], res["none"]) > 1e-5
     assert _max_diff(results[0][codec], results[1][codec]) == 0.0  # replicas identical after the last average
+
+
+@pytest.mark.timeout(RANKS_TIMEOUT_S)
+def test_overlapped_error_feedback_equals_the_reference(results):
+    ref = _reference(_int8, overlap=True)
+    for rank, res in enumerate(results):
+        diff = _max_diff(res["int8-overlap"], ref[rank])
+        assert diff <= 1e-6, f"rank {rank}: int8 overlapped: max |ours - reference| = {diff:.3g}"
+        assert _max_diff(res["int8-overlap"], res["int8"]) > 1e-5  # applied late: a different trajectory
 
 
 @pytest.mark.parametrize("compression", ["bf16", "int8", "topk:0.02", "topk:1"])
@@ -194,6 +232,14 @@ def test_resume_with_residuals_is_bit_identical(results):
                                 "compression='bf16': construct it with compression='int8' to resume it")
 
 
+@pytest.mark.timeout(RANKS_TIMEOUT_S)
+def test_resume_with_a_compressed_average_in_flight_is_bit_identical(results):
+    for rank, res in enumerate(results):
+        r = res["resume_in_flight"]
+        assert r["in_flight"]
+        assert all(torch.equal(a, b) for a, b in zip(r["straight"], r["resumed"], strict=True)), f"rank {rank}"
+
+
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
     return emu.spawn_job("compression", 2, tmp_path_factory.mktemp("emu_compression"))
@@ -225,9 +271,9 @@ def test_counted_wan_bytes_equal_the_network_model(emulated):
     ({"compression": "int8", "strategy": "ddp"},
      "compression='int8' with strategy 'ddp': ddp all-reduces fp32 gradients and has no reconciliation to "
      "compress; use strategy 'localsgd', 'slowmo' or 'cpdp', or compression='none'"),
-    ({"compression": "int8", "overlap_steps": 1},
-     "compression='int8' with overlap_steps=1: compressed reconciliations are blocking for now; pass "
-     "overlap_steps=0 or compression='none'"),
+    ({"compression": "int8", "period": "auto"},
+     "compression='int8' with period='auto': the controller's numbers ride in an uncompressed average; pass a "
+     "fixed period or compression='none'"),
 ])
 def test_bad_compression_is_one_line(options, message):
     with pytest.raises(ConfigError) as exc:

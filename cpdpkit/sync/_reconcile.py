@@ -98,6 +98,7 @@ class _InFlight:
     launched: list[torch.Tensor]
     buffers: _BufferExchange
     works: list[dist.Work]
+    gathered: list[torch.Tensor] | None = None  # compressed: every rank's codes, decoded into sent once waited
 
 
 class Reconciler:
@@ -187,15 +188,24 @@ class Reconciler:
         """``fronts`` (this rank's parameters, per segment) become ``x0 − mean_j decode(code_j)``: each
         rank's pseudo-gradient ``x0 − x`` plus its residual, encoded, all-gathered as bytes, decoded in
         rank order (:mod:`cpdpkit.sync._codec`)."""
+        gathered, works = self._launch_codes(fronts)
+        for work in works:
+            self._slow.wait(work)
+        self._decode_mean_(fronts, gathered)
+
+    def _launch_codes(self, fronts: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[dist.Work]]:
+        """Encode ``x0 − x + r`` per segment and launch the all-gathers of every rank's codes."""
         assert self.feedback is not None
         anchors = [seg.anchor for seg in self._flat.segments]
         codes = self.feedback.encode([torch.sub(x0, x.to(x0.dtype)) for x0, x in zip(anchors, fronts)])
         gathered = [torch.empty(self._slow.size * c.numel(), dtype=torch.uint8) for c in codes]
-        works = [self._slow.all_gather_async(out, c) for out, c in zip(gathered, codes)]
-        for work in works:
-            self._slow.wait(work)
-        for x, x0, mean in zip(fronts, anchors, self.feedback.mean_of(gathered, self._slow.size)):
-            x.copy_(torch.sub(x0, mean.to(x0.dtype)))
+        return gathered, [self._slow.all_gather_async(out, c) for out, c in zip(gathered, codes)]
+
+    def _decode_mean_(self, fronts: list[torch.Tensor], gathered: list[torch.Tensor]) -> None:
+        """``fronts`` ← ``x0 − mean_j decode(code_j)`` (the anchor of this reconciliation)."""
+        assert self.feedback is not None
+        for x, seg, mean in zip(fronts, self._flat.segments, self.feedback.mean_of(gathered, self._slow.size)):
+            x.copy_(torch.sub(seg.anchor, mean.to(seg.anchor.dtype)))  # type: ignore[arg-type]
 
     def _outer_update(self, averages: list[torch.Tensor]) -> None:
         """The outer step on ``averages`` (they become x0), or for localsgd-auto the new reference."""
@@ -217,10 +227,14 @@ class Reconciler:
         launched = [f.clone() for f in self._flat.fronts(sent)]
         measured = self._write_measurement(n, self._flat.stats_slots(sent)) if cfg.auto else 0
         buffers = _BufferExchange.plan(self._buffers(), cfg.buffers)
+        gathered = None
         with record_function(SYNC.PARAM_AVERAGE_LAUNCH.label):  # the launch only: it runs on
-            works = self._slow.average_async(sent, cfg.bucket_cap_bytes)
+            if self.feedback is None:
+                works = self._slow.average_async(sent, cfg.bucket_cap_bytes)
+            else:
+                gathered, works = self._launch_codes(self._flat.fronts(sent))
             works += buffers.launch(self._world, cfg.bucket_cap_bytes)
-        self.in_flight = _InFlight(n, n + cfg.overlap_steps, measured, sent, launched, buffers, works)
+        self.in_flight = _InFlight(n, n + cfg.overlap_steps, measured, sent, launched, buffers, works, gathered)
         self.schedule.reconciled(n + self._ahead)
 
     def wait(self) -> None:
@@ -232,6 +246,9 @@ class Reconciler:
             for work in flight.works:
                 self._slow.wait(work)
         flight.works = []
+        if flight.gathered is not None:  # compressed: the codes become the average now
+            self._decode_mean_(self._flat.fronts(flight.sent), flight.gathered)
+            flight.gathered = None
 
     @torch.no_grad()
     def apply(self, n: int, *, force: bool = True) -> None:

@@ -125,7 +125,7 @@ class SyncConfig:
 
     ``compression`` (``"none"``, ``"bf16"``, ``"int8"``, ``"topk:F"``) encodes each reconciliation's
     pseudo-gradient ``anchor − parameters`` with error feedback and exchanges the codes in one all-gather
-    (:mod:`cpdpkit.sync._codec`); blocking reconciliations with a fixed period only, not ``ddp``.
+    (:mod:`cpdpkit.sync._codec`), blocking or overlapped; a fixed period only, not ``ddp``.
 
     ``check_replicas`` verifies with one checksum all-reduce that every replica holds identical
     parameters: after each reconciliation (with ``overlap_steps``: the reconciled value when it is
@@ -244,10 +244,6 @@ class SyncConfig:
             raise ConfigError(f"compression={self.compression!r} with strategy 'ddp': ddp all-reduces fp32 "
                               "gradients and has no reconciliation to compress; use strategy 'localsgd', "
                               "'slowmo' or 'cpdp', or compression='none'")
-        if self.overlap_steps:
-            raise ConfigError(f"compression={self.compression!r} with overlap_steps={self.overlap_steps}: "
-                              "compressed reconciliations are blocking for now; pass overlap_steps=0 or "
-                              "compression='none'")
         if self.auto:
             raise ConfigError(f"compression={self.compression!r} with period='auto': the controller's numbers "
                               "ride in an uncompressed average; pass a fixed period or compression='none'")
