@@ -247,7 +247,7 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
     @property
     def _keeps_anchor(self) -> bool:
         # SlowMo's anchor; for localsgd with period="auto" the controller's reference
-        return self.config.uses_slowmo or self.config.auto
+        return self.config.uses_slowmo or self.config.auto or self.config.compression != "none"
 
     @property
     def _slow_momentum(self) -> bool:
