@@ -49,9 +49,17 @@ from cpdpkit.tracing import trace_rank
 PYTHON_MS = 2.0
 
 
+SPIN = False  # compute that keeps a core busy (the ``spin`` argument) instead of sleeping
+
+
 @torch.library.custom_op("truth::compute", mutates_args=())
 def compute(x: torch.Tensor, ms: float) -> torch.Tensor:
-    time.sleep(ms / 1e3)
+    if SPIN:
+        end = time.perf_counter() + ms / 1e3
+        while time.perf_counter() < end:
+            pass
+    else:
+        time.sleep(ms / 1e3)
     return torch.empty(0)
 
 
@@ -95,6 +103,9 @@ def main() -> None:
     rank, world, store, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     numel = int(sys.argv[5])
     compute_ms = [float(x) for x in sys.argv[6].split(",")]
+    pinned = (sys.argv[7] if len(sys.argv) > 7 else "pinned") == "pinned"
+    global SPIN
+    SPIN = len(sys.argv) > 8 and sys.argv[8] == "spin"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     grad = torch.randn(numel)
@@ -106,8 +117,9 @@ def main() -> None:
     run_delay = _run_delay_reader()
     pg = dist.group.WORLD
     with trace_rank(out, run_info={"strategy": "truth", "world_size": world}) as prof:
-        _pin_threads()  # here, so that the profiler's threads move off the training thread's CPU too
-        _realtime(True)
+        if pinned:
+            _pin_threads()  # here, so that the profiler's threads move off the training thread's CPU too
+            _realtime(True)
         for ms in compute_ms:
             q0 = run_delay()
             t0 = time.perf_counter()
@@ -134,7 +146,8 @@ def main() -> None:
             del y
             time.sleep(PYTHON_MS / 1e3)
             prof.step()
-        _realtime(False)
+        if pinned:
+            _realtime(False)
     with open(f"{out}.truth-rank{rank}.json", "w") as fh:
         json.dump(truth, fh)
     dist.barrier()
