@@ -20,7 +20,11 @@ from pathlib import Path
 
 from cpdpkit.errors import ConfigError
 
-__all__ = ["check_output_file", "check_output_dir", "write_output"]
+__all__ = ["PLOT_SUFFIXES", "check_output_file", "check_output_dir", "write_output"]
+
+# The formats matplotlib's Agg backend writes without extra software (pgf needs LaTeX): a ``--plot`` path
+# must end in one, since the format is read from the name (the temporary file keeps the suffix).
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".svgz", ".eps", ".ps", ".jpg", ".jpeg", ".tif", ".tiff", ".webp")
 
 Inputs = Iterable["str | os.PathLike[str] | None"]
 
@@ -50,11 +54,17 @@ def _clashes(path: Path, inputs: Inputs, option: str) -> None:
                               "reads every *.json as a trace: write it elsewhere")
 
 
-def check_output_file(path: str | os.PathLike[str] | None, option: str, *, inputs: Inputs = ()) -> Path | None:
-    """Before any work: ``path`` can be written (its folder made), is no symlink, folder or input; else one line."""
+def check_output_file(path: str | os.PathLike[str] | None, option: str, *, inputs: Inputs = (),
+                      suffixes: tuple[str, ...] | None = None) -> Path | None:
+    """Before any work: ``path`` can be written (its folder made), is no symlink, folder or input, and ends in
+    one of ``suffixes`` when given; else one line."""
     if path is None:
         return None
     out = Path(path)
+    if suffixes is not None and out.suffix.lower() not in suffixes:
+        got = f"ends in {out.suffix!r}" if out.suffix else "has no suffix"
+        raise ConfigError(f"{option} {str(path)!r} {got}, which names no format it can be written in; end it in "
+                          f"one of {', '.join(suffixes)} (e.g. {str(out.with_suffix(suffixes[0]))!r})")
     if out.is_symlink():
         raise ConfigError(f"{option} {str(path)!r} is a symbolic link (to {os.readlink(out)!r}): pass the file it "
                           "points to, or remove the link; outputs are never written through a link")
@@ -74,8 +84,11 @@ def check_output_file(path: str | os.PathLike[str] | None, option: str, *, input
     return out
 
 
-def check_output_dir(path: str | os.PathLike[str] | None, option: str, *, inputs: Inputs = ()) -> Path | None:
-    """Before any work: ``path`` is (or can be made) a folder a file can be created in; else one line."""
+def check_output_dir(path: str | os.PathLike[str] | None, option: str, *, inputs: Inputs = (),
+                     keep: bool = True) -> Path | None:
+    """Before any work: ``path`` is (or can be made) a folder a file can be created in; else one line. With
+    ``keep=False`` the folders it had to make are removed again (for a writer that makes them itself after checks
+    of its own, which then leave nothing behind)."""
     if path is None:
         return None
     out = Path(path)
@@ -84,6 +97,7 @@ def check_output_dir(path: str | os.PathLike[str] | None, option: str, *, inputs
     for given in inputs:
         if given is not None and _same(out, Path(given)):
             raise ConfigError(f"{option} {str(path)!r} is also an input of this command; pass another folder")
+    made = [] if keep else [d for d in (out, *out.parents) if not d.exists()]
     try:
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=out, prefix=".cpdpkit-", suffix=".check"):
@@ -91,6 +105,12 @@ def check_output_dir(path: str | os.PathLike[str] | None, option: str, *, inputs
     except OSError as exc:
         raise ConfigError(f"{option} {str(path)!r} cannot be written ({exc.strerror or exc}); pass a writable "
                           "folder") from None
+    finally:
+        for d in made:  # innermost first; the run that writes there creates it again
+            try:
+                d.rmdir()
+            except OSError:
+                break
     return out
 
 

@@ -14,8 +14,8 @@ import pytest
 import typer.main
 from typer.testing import CliRunner
 
-from cpdpkit.bench.config import BENCH_STRATEGIES, DEFAULT_STRATEGIES, BenchConfig, RunSpec
-from cpdpkit.bench.runner import run_one
+from cpdpkit.bench.periodic.config import BENCH_STRATEGIES, DEFAULT_STRATEGIES, BenchConfig, RunSpec
+from cpdpkit.bench.periodic.runner import run_one
 from cpdpkit.cli import app
 from cpdpkit.cli.bench import _bench_config
 

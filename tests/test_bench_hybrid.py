@@ -14,8 +14,8 @@ import pytest
 import typer.main
 from typer.testing import CliRunner
 
-from cpdpkit.bench.gpt import GPT_PRESETS
-from cpdpkit.bench.hybrid import HYBRID_STRATEGIES, HybridBenchConfig
+from cpdpkit.bench.hybrid.suite import HYBRID_STRATEGIES, HybridBenchConfig
+from cpdpkit.bench.models.gpt import GPT_PRESETS
 from cpdpkit.cli import app
 
 RESULT_KEYS = {"strategy": str, "step_s": float, "exposed_comm_s_per_step": float, "tier_bytes_per_step": dict,
@@ -108,7 +108,7 @@ def _ok(strategy: str, step_ms: float, state: int, loss: float, shard: int = 100
 
 
 def test_median_period_step_time_keeps_each_periods_slow_step():
-    from cpdpkit.bench.hybrid import median_period_step_s
+    from cpdpkit.bench.hybrid.suite import median_period_step_s
 
     local, reconcile = 0.1, 0.5  # CPDP at K=4: three local steps, then the reconciliation
     periods = [[local] * 3 + [reconcile]] * 4 + [[local] * 3 + [9.0]]  # a burst of load in the last period
@@ -120,7 +120,7 @@ def test_median_period_step_time_keeps_each_periods_slow_step():
 
 
 def test_goals_compare_each_of_ours_with_hsdp_global():
-    from cpdpkit.bench.hybrid import _goals
+    from cpdpkit.bench.hybrid.suite import _goals
 
     results = [_ok("ddp-global", 50, 1600, 4.0), _ok("hsdp-global", 100, 400, 4.0),
                _ok("cpdp-over-hsdp", 50, 600, 4.08), _ok("cpdp-over-hsdp-overlap", 40, 800, 3.9)]

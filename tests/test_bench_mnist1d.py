@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from cpdpkit.bench import mnist1d as m1d
-from cpdpkit.bench.config import BenchConfig
-from cpdpkit.bench.presets import apply_preset
+from cpdpkit.bench.data import mnist1d as m1d
+from cpdpkit.bench.models.cnn1d import ConvBase1D
+from cpdpkit.bench.periodic.config import BenchConfig
+from cpdpkit.bench.periodic.presets import apply_preset
 from cpdpkit.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(120)
@@ -50,7 +51,7 @@ def test_a_cache_of_the_wrong_shape_is_refused_in_one_line(tmp_path):
 
 
 def test_the_papers_cnn_and_shift():
-    model = m1d.ConvBase1D()
+    model = ConvBase1D()
     assert sum(p.numel() for p in model.parameters()) == (25 * 5 + 25) + 2 * (25 * 25 * 3 + 25) + (125 * 10 + 10)
     assert model(torch.randn(7, 1, 40)).shape == (7, 10)
     x = torch.arange(1, 41, dtype=torch.float32).view(1, 1, 40).repeat(64, 1, 1)

@@ -19,8 +19,8 @@ from PIL import Image
 from typer.testing import CliRunner
 
 import cpdpkit.cli.bench as cli_bench
-from cpdpkit.bench import image_folders
-from cpdpkit.bench.augment import (
+from cpdpkit.bench.data import DATASETS, image_folders, load_dataset
+from cpdpkit.bench.data.augment import (
     IMAGE_DATASETS,
     augment_generator,
     black_fill,
@@ -28,12 +28,11 @@ from cpdpkit.bench.augment import (
     first_images,
     random_crop_flip,
 )
-from cpdpkit.bench.config import BenchConfig, RunSpec
-from cpdpkit.bench.data import DATASETS, load_dataset
-from cpdpkit.bench.image_folders import TINY_IMAGENET_MEAN, TINY_IMAGENET_STD, find_tiny_imagenet
+from cpdpkit.bench.data.image_folders import TINY_IMAGENET_MEAN, TINY_IMAGENET_STD, find_tiny_imagenet
 from cpdpkit.bench.models import build_model
-from cpdpkit.bench.presets import PRESETS, apply_preset
-from cpdpkit.bench.resnet_cifar import resnet50_cifar
+from cpdpkit.bench.models.resnet_cifar import resnet50_cifar
+from cpdpkit.bench.periodic.config import BenchConfig, RunSpec
+from cpdpkit.bench.periodic.presets import PRESETS, apply_preset
 from cpdpkit.cli import app
 from cpdpkit.errors import ConfigError
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from cpdpkit.bench.config import BenchConfig
 from cpdpkit.bench.data import DATASETS, find_cifar100, load_dataset
 from cpdpkit.bench.models import MODELS, build_model
-from cpdpkit.bench.report import aggregate
+from cpdpkit.bench.periodic.config import BenchConfig
+from cpdpkit.bench.periodic.report import aggregate
 from cpdpkit.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)

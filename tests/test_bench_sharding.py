@@ -15,8 +15,8 @@ import pytest
 import typer.main
 from typer.testing import CliRunner
 
-from cpdpkit.bench.gpt import GPT_PRESETS
-from cpdpkit.bench.sharding import SHARDING_STRATEGIES, ShardingBenchConfig
+from cpdpkit.bench.models.gpt import GPT_PRESETS
+from cpdpkit.bench.sharding.suite import SHARDING_STRATEGIES, ShardingBenchConfig
 from cpdpkit.cli import app
 
 RESULT_KEYS = {"strategy": str, "step_s": float, "exposed_comm_s_per_step": float, "tier_bytes_per_step": dict,
@@ -167,7 +167,7 @@ def test_sharding_help_defaults_are_the_configs():
 
 
 def test_min_unit_bytes_zero_is_the_planners_units_and_one_is_per_block():
-    from cpdpkit.bench.sharding import prepare
+    from cpdpkit.bench.sharding.suite import prepare
     from cpdpkit.cli._bench_sharding import sharding_config
 
     auto = sharding_config(strategies="two-stage", quick=False, profile=None, min_unit_bytes=0)
@@ -217,7 +217,7 @@ def _ok(strategy: str, step_ms: float, exposed_ms: float, state: int, loss: floa
 
 
 def test_goals_compare_two_stage_with_every_peer_and_partial_with_ddp_bytes():
-    from cpdpkit.bench.sharding import _goals
+    from cpdpkit.bench.sharding.suite import _goals
 
     results = [_ok("fsdp2", 100, 60, 400), _ok("hsdp", 120, 40, 800), _ok("zero1", 80, 30, 400),
                {"strategy": "zero1-overlap", "status": "unsupported", "reason": "no clipping"},
@@ -247,7 +247,7 @@ def test_goals_compare_two_stage_with_every_peer_and_partial_with_ddp_bytes():
 
 @pytest.mark.timeout(60)
 def test_zero1_overlap_with_clipping_is_reported_unsupported_without_a_launch(tmp_path):
-    from cpdpkit.bench.zero_peers import OVERLAP_CLIP_REASON
+    from cpdpkit.bench.sharding.zero_peers import OVERLAP_CLIP_REASON
 
     out = tmp_path / "s.json"
     result = CliRunner().invoke(app, ["bench", "sharding", "--strategies", "zero1-overlap", "--max-grad-norm", "1",
@@ -264,8 +264,8 @@ def test_zero1_overlap_on_plain_gloo_is_unsupported_with_torchs_reason():
     import torch
     import torch.distributed as dist
 
-    from cpdpkit.bench.gpt import TinyGPT, gpt_preset, token_batch
-    from cpdpkit.bench.zero_peers import ZeroPeerUnsupported, build_zero_peer
+    from cpdpkit.bench.models.gpt import TinyGPT, gpt_preset, token_batch
+    from cpdpkit.bench.sharding.zero_peers import ZeroPeerUnsupported, build_zero_peer
 
     cfg = gpt_preset("gpt-micro")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -16,9 +16,9 @@ from torch import nn
 
 from _docs_tables import docs_tables as load_docs_tables
 from _ranks import SPAWN_TIMEOUT_S, share_fn
-from cpdpkit.bench.config import BenchConfig, RunSpec
-from cpdpkit.bench.report import aggregate, paired_difference, significant, t_quantile_975
-from cpdpkit.bench.strategies import StrategyRunner, build_lr_scheduler
+from cpdpkit.bench.periodic.config import BenchConfig, RunSpec
+from cpdpkit.bench.periodic.report import aggregate, paired_difference, significant, t_quantile_975
+from cpdpkit.bench.periodic.strategies import StrategyRunner, build_lr_scheduler
 from cpdpkit.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)
@@ -169,7 +169,7 @@ def test_docs_tables_defaults_are_bench_configs():
     assert {k: config[k] for k in docs_tables.MAIN_DEFAULTS} == docs_tables.MAIN_DEFAULTS
     cmd = docs_tables.main_command({**config, "lr_schedule": "cosine", "momentum": 0.0}, Path("b.json"))
     assert cmd == "cpdpkit bench --momentum 0.0 --lr-schedule cosine --json b.json"
-    from cpdpkit.bench.sharding import ShardingBenchConfig
+    from cpdpkit.bench.sharding.suite import ShardingBenchConfig
 
     sharding = ShardingBenchConfig().to_dict()
     assert set(sharding) - set(docs_tables.SHARDING_DEFAULTS) == {"seed", "warmup_steps"}  # not CLI options
@@ -267,7 +267,7 @@ _SYNC = {"overlap_steps": 3, "target_exposed_frac": 0.05, "k_min": 1, "k_max": 8
 
 def _bench_strategies_on_rank(rank: int, world: int) -> dict:
     """Every kind of bench runner, built as the worker builds it; the lr it trains with, its options."""
-    from cpdpkit.bench.strategies import build_strategy
+    from cpdpkit.bench.periodic.strategies import build_strategy
 
     out = {}
     g = torch.Generator().manual_seed(rank)

@@ -12,9 +12,9 @@ import pytest
 from rich.console import Console
 
 from _docs_tables import docs_tables as load_docs_tables
-from cpdpkit.bench.config import BenchConfig, RunSpec
-from cpdpkit.bench.goals import best_fixed_period, k_over_time_lines, overlap_and_auto_goals
-from cpdpkit.bench.report import aggregate
+from cpdpkit.bench.periodic.config import BenchConfig, RunSpec
+from cpdpkit.bench.periodic.goals import best_fixed_period, k_over_time_lines, overlap_and_auto_goals
+from cpdpkit.bench.periodic.report import aggregate
 from cpdpkit.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)
@@ -76,7 +76,7 @@ def test_runs_cover_each_topology_and_carry_the_new_options():
 
 
 def test_run_folders_name_the_topology_only_when_there_are_several(tmp_path):
-    from cpdpkit.bench.runner import _run_dir
+    from cpdpkit.bench.periodic.runner import _run_dir
 
     several = BenchConfig(strategies=("cpdp",), periods=(4,), topologies=("lan", "wan"))
     one = BenchConfig(strategies=("cpdp",), periods=(4,), topologies=("lan",))
@@ -86,7 +86,7 @@ def test_run_folders_name_the_topology_only_when_there_are_several(tmp_path):
 
 # ---- our strategies' options and K over time -------------------------------------------------------
 def test_sync_options_of_each_bench_strategy():
-    from cpdpkit.bench.strategies import sync_options
+    from cpdpkit.bench.periodic.strategies import sync_options
 
     kw = {"overlap_steps": 2, "target_exposed_frac": 0.2, "k_min": 1, "k_max": 8, "max_divergence": None}
     assert sync_options("cpdp", 4, **kw) == {"strategy": "cpdp", "period": 4}
@@ -103,7 +103,7 @@ def test_sync_options_of_each_bench_strategy():
 
 
 def test_period_history_from_the_optimizers_stats():
-    from cpdpkit.bench.strategies import period_history
+    from cpdpkit.bench.periodic.strategies import period_history
 
     @dataclasses.dataclass
     class Decision:  # what SyncStats.to_dict() may hold instead of a dict

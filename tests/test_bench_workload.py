@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cpdpkit.bench import text
-from cpdpkit.bench.config import BenchConfig
-from cpdpkit.bench.data import DATASETS, load_dataset
+from cpdpkit.bench.data import DATASETS, load_dataset, text
 from cpdpkit.bench.models import MODELS, build_model
+from cpdpkit.bench.periodic.config import BenchConfig
 from cpdpkit.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)

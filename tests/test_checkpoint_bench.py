@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cpdpkit.bench.faults import Fault, parse_fault
+from cpdpkit.bench.periodic.faults import Fault, parse_fault
 from cpdpkit.cli import app
 
 FORMAT = "kill:rank=R:step=S (R a rank below the world size, S >= 1 the optimizer step), e.g. kill:rank=1:step=40"

@@ -223,7 +223,9 @@ def test_auto_divergence_equals_an_independent_computation(results):
             mean = (xs[0] + xs[1]) / 2
             spread = sum(float((x - mean).square().sum()) for x in xs) / 2
             expected = math.sqrt(spread) / float(mean.norm())
-            assert d["divergence"] == pytest.approx(expected, rel=2e-3, abs=1e-7), d
+            # abs: the documented float32 cancellation (divergence() reads below ~3e-4 of the local
+            # progress, here ~1e-2 of ||x||, as noise; CI saw 4.1e-7 where the replicas were identical)
+            assert d["divergence"] == pytest.approx(expected, rel=2e-3, abs=1e-5), d
 
 
 def test_auto_and_overlap_are_labelled_in_traces(results):

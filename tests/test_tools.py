@@ -16,7 +16,7 @@ from types import ModuleType
 
 import pytest
 
-from cpdpkit.bench.report import aggregate
+from cpdpkit.bench.periodic.report import aggregate
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -112,7 +112,7 @@ def test_layering_checker_reports_each_violation_and_exits_1(tmp_path: Path) -> 
 # ---- tools/docs_tables.py ---------------------------------------------------------------------
 def _seed_run(strategy: str, period: int | None, *, acc: float, wall: float, exposed: float, nbytes: float,
               colls: float) -> dict:
-    """One run's result as a launched bench worker hands it to cpdpkit.bench.report.aggregate."""
+    """One run's result as a launched bench worker hands it to cpdpkit.bench.periodic.report.aggregate."""
     return {"spec": {"strategy": strategy, "period": period, "seed": 0}, "status": "ok", "reason": None,
             "peak_test_acc": acc, "final_test_acc": acc - 0.005, "wall_s": wall, "step_s": wall / 500,
             "exposed_sync_s_per_step": exposed, "bytes_per_step": nbytes, "collectives_per_step": colls,

@@ -1,13 +1,13 @@
 """Render the docs' result tables (markdown) and the accuracy-vs-wall-clock plot from bench JSON.
 
 A developer tool, not installed. It reads what ``cpdpkit bench --json FILE`` writes (the main
-job: ``BenchReport.to_dict()`` in cpdpkit/bench/report.py) and what ``cpdpkit bench sharding
---json FILE`` writes (``ShardingReport.to_dict()`` in cpdpkit/bench/sharding.py); docs/json.md
+job: ``BenchReport.to_dict()`` in cpdpkit/bench/periodic/report.py) and what ``cpdpkit bench sharding
+--json FILE`` writes (``ShardingReport.to_dict()`` in cpdpkit/bench/sharding/suite.py); docs/json.md
 describes both. For every file it prints a markdown section: a caption, the command that
 reproduces the run, the date the file was written, the table with the same columns as the
 CLI's (one per topology of a ``--topologies`` run), and the goals tables (docs/results.md): the
 fixed goals of the default run, and the overlap and auto-K goals and K-over-time lines that
-``cpdpkit bench`` prints (cpdpkit/bench/goals.py, shared). JSON from before ``--topologies`` has
+``cpdpkit bench`` prints (cpdpkit/bench/periodic/goals.py, shared). JSON from before ``--topologies`` has
 no topology per result: it is the config's. Other JSON files are skipped with a note.
 
 Usage::
@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cpdpkit.bench.goals import k_over_time_lines, overlap_and_auto_goals, result_topology  # as the CLI judges them
+from cpdpkit.bench.periodic.goals import k_over_time_lines, overlap_and_auto_goals, result_topology  # as judged
 from cpdpkit.cli._bench_plot import plot_accuracy_vs_wall  # the plot `cpdpkit bench --plot` draws
 from cpdpkit.cli._bench_sharding import goal_lines  # the goals block `cpdpkit bench sharding` prints
 
@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 MAIN_COLUMNS = ("strategy", "status", "peak acc %", "final acc %", "Δ pp", "wall s", "Δ wall %", "step ms",
                 "exposed ms/step", "coll/step", "KB/step", "harness s")
-# `cpdpkit bench` defaults (cpdpkit/bench/config.py BenchConfig), to print the shortest command that
+# `cpdpkit bench` defaults (cpdpkit/bench/periodic/config.py BenchConfig), to print the shortest command that
 # reproduces a run; kept here so this tool needs no torch. A stale default prints a wrong command:
 # tests/test_bench_stats.py checks these against BenchConfig().
 MAIN_DEFAULTS = {"strategies": ["ddp", "localsgd-torch", "localsgd", "slowmo", "cpdp", "cpdp-overlap", "cpdp-auto"],
@@ -121,7 +121,7 @@ def _written(path: Path) -> str:
 
 # ---- the main job: cpdpkit bench ---------------------------------------------------------------
 def significant(ci: list[float] | None) -> bool:
-    """Whether a 95 % CI ``[low, high]`` excludes 0 (as cpdpkit.bench.report.significant)."""
+    """Whether a 95 % CI ``[low, high]`` excludes 0 (as cpdpkit.bench.periodic.report.significant)."""
     return ci is not None and (ci[0] > 0.0 or ci[1] < 0.0)
 
 

@@ -23,9 +23,10 @@ __all__ = ["app", "err_console", "out_console", "EXIT_USER_ERROR", "prepare_outp
 
 
 
-def prepare_output(path: str | None, option: str, inputs: Iterable[str | None] = ()) -> None:
+def prepare_output(path: str | None, option: str, inputs: Iterable[str | None] = (),
+                   suffixes: tuple[str, ...] | None = None) -> None:
     """Before any work: an output file (``--json``, ``--plot``) can be written (:mod:`cpdpkit._outputs`)."""
-    check_output_file(path, option, inputs=inputs)
+    check_output_file(path, option, inputs=inputs, suffixes=suffixes)
 
 
 def _console(stderr: bool = False) -> Console:

@@ -9,21 +9,21 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cpdpkit._outputs import check_output_dir, write_output
+from cpdpkit._outputs import PLOT_SUFFIXES, check_output_dir, write_output
 from cpdpkit.cli._app import out_console, prepare_output
 from cpdpkit.cli._bench_sharding import _f, _mark, fill_table, run_and_print
 
 if TYPE_CHECKING:
     from rich.table import Table
 
-    from cpdpkit.bench.hybrid import HybridBenchConfig, HybridReport
+    from cpdpkit.bench.hybrid.suite import HybridBenchConfig, HybridReport
 
 __all__ = ["run_hybrid_suite", "hybrid_config", "goal_lines"]
 
 
 def hybrid_config(*, strategies: str | None, quick: bool, profile: str | None, **kw: Any) -> HybridBenchConfig:
     """The suite's config: the options given (not None), else ``--quick``'s reduced defaults, else the config's."""
-    from cpdpkit.bench.hybrid import HybridBenchConfig
+    from cpdpkit.bench.hybrid.suite import HybridBenchConfig
 
     args: dict[str, Any] = {name: value for name, value in kw.items() if value is not None}
     if strategies is not None:
@@ -36,11 +36,11 @@ def hybrid_config(*, strategies: str | None, quick: bool, profile: str | None, *
 def run_hybrid_suite(config: HybridBenchConfig, *, json_out: str | None, plot: str | None,
                      work_dir: str | None) -> None:
     """Run the suite (validating first: a bad config raises before any launch); print and write."""
-    from cpdpkit.bench.hybrid import prepare, run_hybrid_bench
+    from cpdpkit.bench.hybrid.suite import prepare, run_hybrid_bench
 
     prepared = prepare(config)  # once: a bad topology fails before the output paths are touched
     prepare_output(json_out, "--json")  # a bad path fails now, not after every run
-    prepare_output(plot, "--plot")
+    prepare_output(plot, "--plot", suffixes=PLOT_SUFFIXES)
     check_output_dir(config.profile_dir, "--profile")
 
     report = run_and_print(lambda work, emit: run_hybrid_bench(config, work, emit, prepared=prepared),
@@ -88,7 +88,7 @@ def _table(report: HybridReport) -> Table:
 
 
 def goal_lines(goals: dict[str, Any]) -> list[str]:
-    """The goals block: each of ours against hsdp-global (see cpdpkit.bench.hybrid._goals)."""
+    """The goals block: each of ours against hsdp-global (see cpdpkit.bench.hybrid.suite._goals)."""
     if not goals:
         return ["goals: none to judge (hsdp-global or a cpdp-over-* strategy did not run)"]
     lines = []

@@ -18,7 +18,7 @@ from cpdpkit.cli._app import out_console, prepare_output
 if TYPE_CHECKING:
     from rich.table import Table
 
-    from cpdpkit.bench.sharding import ShardingBenchConfig, ShardingReport
+    from cpdpkit.bench.sharding.suite import ShardingBenchConfig, ShardingReport
 
 __all__ = ["run_sharding_suite", "sharding_config", "run_and_print", "fill_table"]
 
@@ -29,7 +29,7 @@ _QUICK_WARMUP_STEPS = 1
 
 def sharding_config(*, strategies: str | None, quick: bool, profile: str | None, **kw: Any) -> ShardingBenchConfig:
     """The suite's config: the options given (not None), else ``--quick``'s reduced defaults, else the config's."""
-    from cpdpkit.bench.sharding import ShardingBenchConfig
+    from cpdpkit.bench.sharding.suite import ShardingBenchConfig
 
     args: dict[str, Any] = {name: value for name, value in kw.items() if value is not None}
     if args.get("min_unit_bytes") == 0:  # 0: the planner's own unit size
@@ -45,7 +45,7 @@ def sharding_config(*, strategies: str | None, quick: bool, profile: str | None,
 
 def run_sharding_suite(config: ShardingBenchConfig, *, json_out: str | None, work_dir: str | None) -> None:
     """Run the suite (validating and planning first: a bad config raises before any launch); print and write."""
-    from cpdpkit.bench.sharding import run_sharding_bench
+    from cpdpkit.bench.sharding.suite import run_sharding_bench
 
     prepare_output(json_out, "--json")  # a bad path fails now, not after every run
     check_output_dir(config.profile_dir, "--profile")
@@ -67,6 +67,7 @@ def run_and_print(run: Callable[[Path, Callable[[tuple[Any, ...]], None]], Any],
             out_console.print(f"{event[1]}: {r['status']} in {r['launch_s']:.1f} s"
                               + (f" ({r.get('reason')})" if r["status"] != "ok" else ""))
 
+    check_output_dir(work_dir, "--work-dir", keep=False)  # before any launch: a file there would fail after planning
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         report = run(Path(work_dir or tmp), emit)
     out_console.print(table(report))
@@ -140,7 +141,7 @@ def _mark(ok: bool | None) -> str:
 
 
 def goal_lines(goals: dict[str, Any]) -> list[str]:
-    """The goals block: each goal's measured ratio beside its target (see cpdpkit.bench.sharding._goals)."""
+    """The goals block: each goal's measured ratio beside its target (see cpdpkit.bench.sharding.suite._goals)."""
     if not goals:
         return ["goals: none to judge (two-stage, partial or hsdp did not run)"]
     lines = []

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from cpdpkit._outputs import check_output_file, write_output
+from cpdpkit._outputs import PLOT_SUFFIXES, check_output_file, write_output
 from cpdpkit.cli._exit import EXIT_OK, EXIT_REGRESSION, EXIT_USER_ERROR
 from cpdpkit.cli._table import Justify, TextTable
 from cpdpkit.errors import ConfigError
@@ -406,7 +406,7 @@ def run_profile(args: ProfileArgs) -> int:
     limits = parse_limits(args.max_trace_bytes, args.max_events)
     inputs = (*args.run_dirs, args.baseline, args.what_if)
     check_output_file(args.json_path, "--json", inputs=inputs)  # before reading any trace
-    check_output_file(args.plot, "--plot", inputs=inputs)
+    check_output_file(args.plot, "--plot", inputs=inputs, suffixes=PLOT_SUFFIXES)
     if args.json_path is not None and args.plot is not None and args.json_path.resolve() == args.plot.resolve():
         raise ConfigError(f"--json and --plot are both {str(args.json_path)!r}: pass two different files")
     from cpdpkit.cli._profile_flightrec import may_hold_dumps

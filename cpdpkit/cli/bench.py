@@ -24,7 +24,7 @@ import typer
 from rich.markup import escape
 from typer.core import TyperGroup
 
-from cpdpkit._outputs import check_output_dir, write_output
+from cpdpkit._outputs import PLOT_SUFFIXES, check_output_dir, write_output
 from cpdpkit.cli._app import app, err_console, out_console, prepare_output
 from cpdpkit.cli._bench_hybrid import hybrid_config, run_hybrid_suite
 from cpdpkit.cli._bench_plot import plot_accuracy_vs_wall
@@ -34,8 +34,8 @@ from cpdpkit.errors import ConfigError
 if TYPE_CHECKING:
     from rich.table import Table
 
-    from cpdpkit.bench.config import BenchConfig
-    from cpdpkit.bench.report import BenchReport, StrategyResult
+    from cpdpkit.bench.periodic.config import BenchConfig
+    from cpdpkit.bench.periodic.report import BenchReport, StrategyResult
     from cpdpkit.topology import Topology
 
 __all__ = ["bench_app", "bench", "sharding", "hybrid"]
@@ -108,7 +108,7 @@ def _bench_config(*, strategies: str | None, periods: str | None, epochs: int | 
                   preset: str | None = None, topologies: str | None = None, **kw: Any) -> BenchConfig:
     """The main job's BenchConfig: the options given (not None), else ``--quick``'s reduced defaults, else the
     preset's settings, else BenchConfig's."""
-    from cpdpkit.bench.config import BenchConfig
+    from cpdpkit.bench.periodic.config import BenchConfig
 
     if topologies is not None and kw.get("topology") is not None:
         raise ConfigError(f"--topology {kw['topology']} and --topologies {topologies} both given: use --topologies "
@@ -117,7 +117,7 @@ def _bench_config(*, strategies: str | None, periods: str | None, epochs: int | 
     if topologies is not None:
         args["topologies"] = _names(topologies)
     if preset is not None:
-        from cpdpkit.bench.presets import apply_preset
+        from cpdpkit.bench.periodic.presets import apply_preset
 
         args = apply_preset(preset, args, quick=quick)
     if strategies is not None:
@@ -341,13 +341,14 @@ def hybrid(
 
 # ---- the main job: run, table, --json, --plot -------------------------------------------------------
 def _run_main(config: BenchConfig, *, json_out: str | None, plot: str | None, work_dir: str | None) -> None:
-    from cpdpkit.bench.runner import resolve_bench_topologies
+    from cpdpkit.bench.periodic.runner import resolve_bench_topologies
 
     topologies = resolve_bench_topologies(config)  # once, here: a bad topology fails before any launch
     inputs = (config.data_dir, *config.topology_names)
     prepare_output(json_out, "--json", inputs)  # so does an output path that cannot be written
-    prepare_output(plot, "--plot", inputs)
+    prepare_output(plot, "--plot", inputs, suffixes=PLOT_SUFFIXES)
     check_output_dir(config.profile_dir, "--profile", inputs=inputs)
+    check_output_dir(work_dir, "--work-dir", inputs=inputs, keep=False)
     with tempfile.TemporaryDirectory(prefix="cpdpkit-bench-") as tmp:
         report = _run_with_progress(config, Path(work_dir or tmp), topologies)
     _print_report(report)
@@ -361,7 +362,7 @@ def _run_main(config: BenchConfig, *, json_out: str | None, plot: str | None, wo
 
 def _print_report(report: BenchReport) -> None:
     """One table per topology, the failures, K over time of the auto runs, then the goals."""
-    from cpdpkit.bench.goals import k_over_time_lines, overlap_and_auto_goals
+    from cpdpkit.bench.periodic.goals import k_over_time_lines, overlap_and_auto_goals
 
     for topology in report.topologies:
         out_console.print(_table(report, topology))
@@ -400,7 +401,7 @@ def _fault_lines(data: dict[str, Any]) -> list[str]:
 def _run_with_progress(config: BenchConfig, work_dir: Path, topologies: dict[str, Topology]) -> BenchReport:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from cpdpkit.bench.runner import run_bench
+    from cpdpkit.bench.periodic.runner import run_bench
 
     runs = config.runs()
     columns = (TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(),
@@ -432,7 +433,7 @@ def _fmt(value: float | None, spec: str, signed: bool = False) -> str:
 
 def _delta(value: float | None, spec: str, ci: tuple[float, float] | None, *, show_ci: bool) -> str:
     """``+1.23``, with ``[low, high]`` of its 95 % CI when shown and a ``*`` when that excludes 0."""
-    from cpdpkit.bench.report import significant
+    from cpdpkit.bench.periodic.report import significant
 
     text = _fmt(value, spec, True)
     if ci is not None and show_ci:

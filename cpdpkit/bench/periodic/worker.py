@@ -1,8 +1,8 @@
 """One rank of one ``cpdpkit bench`` run (launched by torchrun through :mod:`cpdpkit.launch`).
 
-    python -m cpdpkit.bench.worker RUN_DIR
+    python -m cpdpkit.bench.periodic.worker RUN_DIR
 
-reads ``RUN_DIR/spec.json`` (a :class:`~cpdpkit.bench.config.RunSpec`), trains, and rank 0
+reads ``RUN_DIR/spec.json`` (a :class:`~cpdpkit.bench.periodic.config.RunSpec`), trains, and rank 0
 writes ``RUN_DIR/result.json`` and appends one line per epoch to ``RUN_DIR/progress.jsonl``.
 
 Only training steps count towards the strategy's wall clock. Evaluation (of the average of the
@@ -26,15 +26,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cpdpkit.bench._rank_io import PROGRESS_FILE, RESULT_FILE, SPEC_FILE, finish_rank
-from cpdpkit.bench.augment import epoch_augmenter, first_images
-from cpdpkit.bench.config import RunSpec
 from cpdpkit.bench.data import load_dataset
-from cpdpkit.bench.dataset import Dataset
+from cpdpkit.bench.data.augment import epoch_augmenter, first_images
+from cpdpkit.bench.data.dataset import Dataset
+from cpdpkit.bench.launcher import PROGRESS_FILE, finish_rank, read_spec
 from cpdpkit.bench.models import build_model
-from cpdpkit.bench.strategies import StrategyRunner, build_strategy
+from cpdpkit.bench.periodic.config import RunSpec
+from cpdpkit.bench.periodic.strategies import StrategyRunner, build_strategy
 
-__all__ = ["main", "RESULT_FILE", "PROGRESS_FILE", "SPEC_FILE"]
+__all__ = ["main"]
 
 _DIVERGED_LOSS = 1e4
 
@@ -93,7 +93,7 @@ class _Resumable:
     """The checkpoints (``spec.checkpoint_every``) and the injected fault (``spec.fault``) of one run."""
 
     def __init__(self, spec: RunSpec, runner: StrategyRunner, run_dir: Path, rank: int, progress: _Progress) -> None:
-        from cpdpkit.bench.faults import parse_fault
+        from cpdpkit.bench.periodic.faults import parse_fault
 
         self.runner, self.rank, self.progress = runner, rank, progress
         self.fault = parse_fault(spec.fault) if spec.fault else None
@@ -198,9 +198,8 @@ def _profiled(spec: RunSpec):
 def main(argv: list[str] | None = None) -> None:
     from cpdpkit.emulator import init_distributed
 
-    argv = sys.argv[1:] if argv is None else argv
-    run_dir = Path(argv[0])
-    spec = RunSpec.from_dict(json.loads((run_dir / SPEC_FILE).read_text()))
+    run_dir, raw = read_spec(sys.argv[1:] if argv is None else argv)
+    spec = RunSpec.from_dict(raw)
     t0 = time.perf_counter()
     torch.set_num_threads(1)
     info = init_distributed(jitter_seed=spec.seed)  # paired seeds see the same network draws

@@ -1,6 +1,6 @@
 """One rank of one ``cpdpkit bench sharding`` run (launched by torchrun through :mod:`cpdpkit.launch`).
 
-    python -m cpdpkit.bench.sharding_worker RUN_DIR
+    python -m cpdpkit.bench.sharding.worker RUN_DIR
 
 reads ``RUN_DIR/spec.json`` (the suite's config, this run's strategy and the plan), trains
 ``warmup_steps + steps`` steps and rank 0 writes ``RUN_DIR/result.json``. Measures, over the
@@ -10,7 +10,7 @@ timed steps only (after a barrier; max over ranks unless said otherwise):
 * ``exposed_comm_s_per_step``: seconds the training thread spent blocked in the emulated
   backend's ``Work.wait()`` (every collective of FSDP2 and the executors is waited there: a
   harness measure, not a trace analysis), plus, for the ZeRO peers, the waits on DDP's all-reduce
-  futures that DDP does in C++ and :mod:`cpdpkit.bench.zero_peers` clocks.
+  futures that DDP does in C++ and :mod:`cpdpkit.bench.sharding.zero_peers` clocks.
   ``exposed_comm_s_per_step_by_tier``: the same split by the tier of the group waited on (each
   tier's maximum over ranks, so the tiers need not add up to the total).
 * ``tier_bytes_per_step``: wire bytes this rank sent in its collectives, by the tier of their
@@ -28,7 +28,7 @@ timed steps only (after a barrier; max over ranks unless said otherwise):
   measured timings), ``num_units`` and the clipping stats (``clip_speculated``,
   ``clip_mispredicted``; all numeric stats under ``executor_stats``).
 * A strategy that cannot run here writes ``status: "unsupported"`` and the reason
-  (:class:`~cpdpkit.bench.zero_peers.ZeroPeerUnsupported`).
+  (:class:`~cpdpkit.bench.sharding.zero_peers.ZeroPeerUnsupported`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cpdpkit.bench._jobs import (
+from cpdpkit.bench._gpt_rank import (
     Run,
     fully_shard_blocks,
     mean_over_ranks,
@@ -48,9 +48,8 @@ from cpdpkit.bench._jobs import (
     optimizer_step,
     run_rank,
 )
-from cpdpkit.bench._rank_io import RESULT_FILE, SPEC_FILE
 
-__all__ = ["main", "SPEC_FILE", "RESULT_FILE"]
+__all__ = ["main"]
 
 
 def _executor_run(spec: dict[str, Any], model: torch.nn.Module) -> Run:
@@ -83,7 +82,7 @@ def _executor_run(spec: dict[str, Any], model: torch.nn.Module) -> Run:
 
 
 def _zero_run(spec: dict[str, Any], model: torch.nn.Module, priming_batch: tuple[torch.Tensor, torch.Tensor]) -> Run:
-    from cpdpkit.bench.zero_peers import build_zero_peer
+    from cpdpkit.bench.sharding.zero_peers import build_zero_peer
 
     cls, kwargs = optimizer_for(spec)
     peer = build_zero_peer(spec["strategy"], model, optimizer_class=cls, optimizer_kwargs=kwargs,
@@ -120,7 +119,7 @@ def _setup(spec: dict[str, Any], model: torch.nn.Module, priming_batch: tuple[to
 
 
 def main(argv: list[str] | None = None) -> None:
-    from cpdpkit.bench.zero_peers import ZeroPeerUnsupported
+    from cpdpkit.bench.sharding.zero_peers import ZeroPeerUnsupported
 
     run_rank(_setup, argv=argv, unsupported=(ZeroPeerUnsupported,))
 

@@ -10,13 +10,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from cpdpkit._values import is_int, refuse_nonfinite
-from cpdpkit.bench.augment import IMAGE_DATASETS
 from cpdpkit.bench.data import DATASETS, find_cifar100
-from cpdpkit.bench.faults import CHECKPOINT_EVERY, parse_fault
-from cpdpkit.bench.image_folders import find_tiny_imagenet
-from cpdpkit.bench.mnist1d import check_mnist1d
+from cpdpkit.bench.data.augment import IMAGE_DATASETS
+from cpdpkit.bench.data.image_folders import find_tiny_imagenet
+from cpdpkit.bench.data.mnist1d import check_mnist1d
+from cpdpkit.bench.data.text import check_corpus
 from cpdpkit.bench.models import check_model_available
-from cpdpkit.bench.text import check_corpus
+from cpdpkit.bench.periodic.faults import CHECKPOINT_EVERY, parse_fault
 from cpdpkit.errors import ConfigError
 from cpdpkit.sync.config import OUTER_OPTIMIZERS, STATE_POLICIES, is_torch_optimizer_name
 from cpdpkit.topology import PRESETS
@@ -32,7 +32,7 @@ DEFAULT_STRATEGIES = BENCH_STRATEGIES[:-2]
 # run at every K of --periods; cpdp-auto picks its own K (period None)
 PERIODIC = ("localsgd-torch", "localsgd", "slowmo", "cpdp", "cpdp-overlap", "slowmo-overlap",
             "cpdp-step-then-average")
-LR_SCHEDULES = ("constant", "cosine", "step")  # built by cpdpkit.bench.strategies.build_lr_scheduler
+LR_SCHEDULES = ("constant", "cosine", "step")  # built by cpdpkit.bench.periodic.strategies.build_lr_scheduler
 # the strategies with an outer step: swept over --slowmo-momentum and --outer-lr
 OUTER_STEP = ("slowmo", "cpdp", "cpdp-overlap", "cpdp-auto", "slowmo-overlap", "cpdp-step-then-average")
 # β by replicas. fairscale's SlowMo table (by nodes, at K=48) says 0 below 4, 0.2 at 4, 0.5 at 8, 0.6 at 16+;
@@ -79,7 +79,7 @@ class RunSpec:
     k_max: int = 8
     max_divergence: float | None = None
     topology: str | None = None  # None: the config's --topology (spec.json files from before --topologies)
-    fault: str | None = None  # --inject-fault (cpdpkit.bench.faults); None: no fault
+    fault: str | None = None  # --inject-fault (cpdpkit.bench.periodic.faults); None: no fault
     checkpoint_every: int | None = None  # checkpoint into RUN_DIR/ckpt every N steps (None: no checkpoints)
     variant: str | None = None  # the point of a swept --slowmo-momentum / --outer-lr ("β=0.2"); None: no sweep
     outer_optimizer: str = "slowmo"  # the outer step of slowmo and cpdp (cpdpkit.sync._outer)
@@ -109,7 +109,7 @@ class BenchConfig:
 
     strategies: tuple[str, ...] = DEFAULT_STRATEGIES
     periods: tuple[int, ...] = (2, 4)
-    model: str = "char-mlp"  # the default workload, cpdpkit.bench.text; digits: --model cnn --epochs 30 --batch-size 32
+    model: str = "char-mlp"  # the default workload (bench.data.text); digits: --model cnn --epochs 30 --batch-size 32
     dataset: str = "stdlib-text"
     data_dir: str | None = None
     epochs: int = 4

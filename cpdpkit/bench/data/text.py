@@ -19,8 +19,9 @@ inside one block (no training label is ever a test label, no context crosses the
 Training and test windows are drawn without replacement from their blocks with a fixed
 generator.
 
-:class:`CharMLP` is the model: a character embedding, two hidden layers with LayerNorm, GELU
-and dropout, and a linear head (0.16 M parameters, 0.64 MB of fp32 gradients: a step computes
+The model, ``char-mlp`` (:mod:`cpdpkit.bench.models.char_mlp`), is a character embedding, two
+hidden layers with LayerNorm, GELU and dropout, and a linear head (0.16 M parameters, 0.64 MB of fp32
+gradients: a step computes
 in about 10 ms on one CPU core, while the emulated WAN's all-reduce of its gradients takes 22 ms).
 Why a short context and this size: docs/workload.md (longer contexts learned less in the same
 number of steps).
@@ -36,12 +37,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
 
-from cpdpkit.bench.dataset import Dataset
+from cpdpkit.bench.data.dataset import Dataset
 from cpdpkit.errors import ConfigError
 
-__all__ = ["CORPUS_FILES", "CONTEXT_LEN", "NUM_CLASSES", "BLOCK_CHARS", "CharMLP", "check_corpus", "encode",
+__all__ = ["CORPUS_FILES", "CONTEXT_LEN", "NUM_CLASSES", "BLOCK_CHARS", "check_corpus", "encode",
            "load_stdlib_text", "read_corpus"]
 
 # Large, long-lived pure-Python modules, present as these files in CPython 3.11, 3.12 and 3.13
@@ -137,19 +137,3 @@ def load_stdlib_text(*, quick: bool = False, root: str | Path | None = None,
     return Dataset("stdlib-text", x_train, y_train, x_test, y_test, NUM_CLASSES, info=info)
 
 
-class CharMLP(nn.Module):
-    """Embed each of the context's characters, then two hidden layers and a linear head."""
-
-    def __init__(self, context_len: int, num_classes: int, *, embed_dim: int = 32, hidden: int = 256,
-                 dropout: float = 0.2) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(num_classes, embed_dim)
-        self.body = nn.Sequential(
-            nn.Flatten(), nn.Dropout(dropout),
-            nn.Linear(context_len * embed_dim, hidden), nn.LayerNorm(hidden), nn.GELU(), nn.Dropout(dropout),
-            nn.Linear(hidden, hidden), nn.LayerNorm(hidden), nn.GELU(),
-        )
-        self.head = nn.Linear(hidden, num_classes)
-
-    def forward(self, x):  # noqa: ANN001, ANN201
-        return self.head(self.body(self.embed(x)))

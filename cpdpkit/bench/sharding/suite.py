@@ -9,7 +9,7 @@ optimizer):
 * ``hsdp``: FSDP2's HSDP as torch ships it: 2-D mesh ``(replicate = nodes, shard = ranks per node)``.
 * ``zero1``: torch's ``ZeroRedundancyOptimizer`` over ``DistributedDataParallel`` on the world
   group; ``zero1-overlap``: the same with ``overlap_with_ddp=True`` and DDP's
-  ``hook_with_zero_step`` (see :mod:`cpdpkit.bench.zero_peers`: bucketing, priming, gloo, and why
+  ``hook_with_zero_step`` (see :mod:`cpdpkit.bench.sharding.zero_peers`: bucketing, priming, gloo, and why
   it cannot clip: with ``--max-grad-norm`` it is reported ``unsupported`` and not launched).
 * ``planned``: :func:`~cpdpkit.planner.plan_sharding`'s plan (``param_sharding="sharded"``)
   applied with :func:`~cpdpkit.shard.apply_plan` and a whole-shard optimizer (no state sharding).
@@ -20,7 +20,7 @@ optimizer):
 
 ``two-stage`` and ``partial`` calibrate their exchange schedule on this machine after the warm-up
 steps and report how many exchanges finished during backward (stage 1), measured and predicted
-(:mod:`cpdpkit.bench.sharding_worker`).
+(:mod:`cpdpkit.bench.sharding.worker`).
 
 Goals (:func:`_goals`; a strategy that did not run leaves its goals out): ``two-stage`` against
 ``hsdp`` (step time, exposed communication <= 0.5x, optimizer state = hsdp's / replicas, final
@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cpdpkit._values import refuse_nonfinite
-from cpdpkit.bench.gpt import gpt_preset
+from cpdpkit.bench.models.gpt import gpt_preset
 from cpdpkit.bench.report import SuiteReport
 from cpdpkit.errors import ConfigError
 from cpdpkit.topology import Topology, resolve_topology
@@ -171,7 +171,7 @@ def prepare(config: ShardingBenchConfig) -> Prepared:
     """Validate against the topology and plan (pure Python, no process group, no torch collective)."""
     import torch
 
-    from cpdpkit.bench.gpt import TinyGPT
+    from cpdpkit.bench.models.gpt import TinyGPT
     from cpdpkit.planner import PlannerConfig, parse_bytes, plan_sharding
 
     topo = resolve_bench_topology(config.topology, config.world_size)
@@ -200,7 +200,7 @@ def prepare(config: ShardingBenchConfig) -> Prepared:
 def unsupported_reason(strategy: str, config: ShardingBenchConfig) -> str | None:
     """Why ``strategy`` cannot run under ``config`` (it is then reported, not launched), else None."""
     if strategy == "zero1-overlap" and config.max_grad_norm is not None:
-        from cpdpkit.bench.zero_peers import OVERLAP_CLIP_REASON
+        from cpdpkit.bench.sharding.zero_peers import OVERLAP_CLIP_REASON
 
         return OVERLAP_CLIP_REASON
     return None
@@ -317,8 +317,8 @@ def run_sharding_bench(config: ShardingBenchConfig, work_dir: Path,
     and before ``work_dir`` is created. A strategy with an :func:`unsupported_reason` is reported
     ``unsupported`` without a launch.
     """
-    from cpdpkit.bench import sharding_worker as worker
-    from cpdpkit.bench._jobs import run_jobs
+    from cpdpkit.bench.launcher import run_per_strategy
+    from cpdpkit.bench.sharding import worker
 
     prep = prepare(config)
 
@@ -326,9 +326,9 @@ def run_sharding_bench(config: ShardingBenchConfig, work_dir: Path,
         return {**config.to_dict(), "strategy": strategy, "plan": prep.plan_for(strategy).to_dict(),
                 "ranks_per_node": prep.ranks_per_node, "num_replicas": prep.num_replicas}
 
-    results = run_jobs(config.strategies, work_dir=work_dir, topology=prep.topology, world_size=config.world_size,
-                       worker_file=worker.__file__, spec_for=spec_for, emit=emit,
-                       unsupported=lambda strategy: unsupported_reason(strategy, config))
+    results = run_per_strategy(config.strategies, work_dir=work_dir, topology=prep.topology,
+                               world_size=config.world_size, worker_file=worker.__file__, spec_for=spec_for, emit=emit,
+                               unsupported=lambda strategy: unsupported_reason(strategy, config))
     return ShardingReport(config=_report_config(config, prep), results=tuple(results),
                           goals=_goals(results, num_replicas=prep.num_replicas, ranks_per_node=prep.ranks_per_node,
                                        allreduce_wire_bytes=prep.allreduce_wire_bytes()))

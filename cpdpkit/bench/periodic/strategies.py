@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cpdpkit.bench.config import LR_SCHEDULES
+from cpdpkit.bench.periodic.config import LR_SCHEDULES
 from cpdpkit.sync import PeriodicSyncOptimizer
 
 __all__ = ["Meter", "StrategyRunner", "build_lr_scheduler", "build_strategy", "period_history", "sync_options"]
@@ -215,12 +215,12 @@ def build_strategy(strategy: str, period: int | None, module: nn.Module, *, lr: 
                    momentum: float, slowmo_momentum: float, slowmo_lr: float, warmup_steps: int,
                    optimizer_state: str, lr_schedule: str, total_steps: int,
                    sync: dict[str, Any]) -> StrategyRunner:
-    """The runner for ``strategy`` (one of :data:`cpdpkit.bench.config.BENCH_STRATEGIES`).
+    """The runner for ``strategy`` (one of :data:`cpdpkit.bench.periodic.config.BENCH_STRATEGIES`).
 
     ``slowmo_lr``, ``warmup_steps``, ``optimizer_state`` and ``sync`` (the overlap and auto-K options,
     :func:`sync_options`' keywords but the strategy and period) go to :class:`PeriodicSyncOptimizer`
     only; ``lr_schedule`` over ``total_steps`` applies to every strategy. No defaults here: they
-    live in :class:`~cpdpkit.bench.config.BenchConfig` (one source).
+    live in :class:`~cpdpkit.bench.periodic.config.BenchConfig` (one source).
     """
     def sgd(params: Any) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=lr, momentum=momentum)

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from cpdpkit._text_file import read_text_file
-from cpdpkit.bench.dataset import Dataset
+from cpdpkit.bench.data.dataset import Dataset
 from cpdpkit.errors import ConfigError
 
 __all__ = ["IMAGE_SIDE", "LAYOUTS", "TINY_IMAGENET_MEAN", "TINY_IMAGENET_STD", "find_tiny_imagenet",

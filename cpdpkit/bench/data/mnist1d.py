@@ -8,8 +8,9 @@ Generation takes ~10-20 s on a loaded 2-core machine, so the bench generates onc
 into ``<data_dir>/mnist1d-<train>-<test>-seed42.npz`` (written then renamed; read back with
 ``allow_pickle=False`` after a size check) and every rank reads that file.
 
-The model is the MNIST-1D paper's CNN (its ``ConvBase``): three 1-D convolutions of 25 channels
-(kernel 5 stride 2, kernel 3 stride 2, kernel 3 stride 2, padding 1, ReLU) and a linear layer from
+The model (:mod:`cpdpkit.bench.models.cnn1d`) is the MNIST-1D paper's CNN (its ``ConvBase``): three
+1-D convolutions of 25 channels (kernel 5 stride 2, kernel 3 stride 2, kernel 3 stride 2, padding 1, ReLU)
+and a linear layer from
 25x5 to 10 classes (5,210 parameters). Shift augmentation (``--augment``) translates each training
 sequence by a random offset in ``[-MAX_SHIFT, MAX_SHIFT]``, filling with zeros (the data's mean).
 """
@@ -22,17 +23,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
 
-from cpdpkit.bench.dataset import Dataset
+from cpdpkit.bench.data.dataset import Dataset
 from cpdpkit.errors import ConfigError
 
-__all__ = ["MAX_SHIFT", "MNIST1D_SIZES", "ConvBase1D", "check_mnist1d", "load_mnist1d", "random_shift"]
+__all__ = ["MAX_SHIFT", "MNIST1D_SIZES", "SEQUENCE_LENGTH", "check_mnist1d", "load_mnist1d", "random_shift"]
 
 MNIST1D_SIZES = {False: (4000, 10000), True: (1000, 1000)}  # (train, test) by --quick
 MAX_SHIFT = 4
 _SEED = 42
-_LENGTH = 40
+SEQUENCE_LENGTH = 40
 _MAX_CACHE_BYTES = 64 * 1024 * 1024  # a cache holds (train + test) x 40 float32: ~2.2 MB at the sizes above
 
 
@@ -61,7 +61,7 @@ def _read(path: Path, num_train: int, num_test: int) -> tuple[np.ndarray, ...] |
     with np.load(path, allow_pickle=False) as npz:
         arrays = tuple(npz[k] for k in ("x", "y", "x_test", "y_test"))
     shapes = [a.shape for a in arrays]
-    if shapes != [(num_train, _LENGTH), (num_train,), (num_test, _LENGTH), (num_test,)]:
+    if shapes != [(num_train, SEQUENCE_LENGTH), (num_train,), (num_test, SEQUENCE_LENGTH), (num_test,)]:
         raise ConfigError(f"{str(path)!r} holds arrays of shapes {shapes}, not MNIST-1D's: delete it and run again")
     return arrays
 
@@ -82,25 +82,6 @@ def load_mnist1d(data_dir: str | Path | None, *, quick: bool = False) -> Dataset
     x, y, x_test, y_test = (torch.from_numpy(a) for a in arrays)
     return Dataset("mnist1d", x.unsqueeze(1), y, x_test.unsqueeze(1), y_test, 10,
                    info={"generator": "mnist1d.make_dataset", "seed": _SEED, "train": num_train, "test": num_test})
-
-
-class ConvBase1D(nn.Module):
-    """The MNIST-1D paper's CNN (module docstring)."""
-
-    def __init__(self, num_classes: int = 10, channels: int = 25, length: int = _LENGTH) -> None:
-        super().__init__()
-        self.features = nn.Sequential(
-            nn.Conv1d(1, channels, 5, stride=2, padding=1), nn.ReLU(),
-            nn.Conv1d(channels, channels, 3, stride=2, padding=1), nn.ReLU(),
-            nn.Conv1d(channels, channels, 3, stride=2, padding=1), nn.ReLU(),
-        )
-        out = length
-        for kernel in (5, 3, 3):
-            out = (out + 2 - kernel) // 2 + 1
-        self.linear = nn.Linear(channels * out, num_classes)
-
-    def forward(self, x):  # noqa: ANN001, ANN201
-        return self.linear(self.features(x).flatten(1))
 
 
 def random_shift(x: torch.Tensor, generator: torch.Generator, *, max_shift: int = MAX_SHIFT) -> torch.Tensor:

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cpdpkit.bench._jobs import ddp_over_blocks, local_bytes
+from cpdpkit.bench._gpt_rank import ddp_over_blocks, local_bytes
 
 __all__ = ["ZERO_STRATEGIES", "OVERLAP_PRIMING_STEPS", "OVERLAP_CLIP_REASON", "ZeroPeer", "ZeroPeerUnsupported",
            "WaitClock", "build_zero_peer"]

@@ -106,7 +106,7 @@ class HybridBenchConfig:
 
     def __post_init__(self) -> None:
         refuse_nonfinite(self, ConfigError, options=True)
-        from cpdpkit.bench.gpt import GPT_PRESETS
+        from cpdpkit.bench.models.gpt import GPT_PRESETS
 
         for s in self.strategies:
             if s not in HYBRID_STRATEGIES:
@@ -175,7 +175,7 @@ def prepare(config: HybridBenchConfig) -> Prepared:
     """Place the topology and check it has >= 2 sites (pure Python: no process group, no torch collective)."""
     import torch
 
-    from cpdpkit.bench.gpt import TinyGPT, gpt_preset
+    from cpdpkit.bench.models.gpt import TinyGPT, gpt_preset
 
     topo = resolve_topology(config.topology, world_size=config.world_size)
     if topo.num_sites < 2:
@@ -267,8 +267,8 @@ def run_hybrid_bench(config: HybridBenchConfig, work_dir: Path,
     Validates first (:func:`prepare`, unless ``prepared`` is its result for ``config``): a bad configuration
     raises before any launch and before ``work_dir`` is created.
     """
-    from cpdpkit.bench import hybrid_worker as worker
-    from cpdpkit.bench._jobs import run_jobs
+    from cpdpkit.bench.hybrid import worker
+    from cpdpkit.bench.launcher import run_per_strategy
 
     prep = prepared if prepared is not None else prepare(config)
 
@@ -276,8 +276,8 @@ def run_hybrid_bench(config: HybridBenchConfig, work_dir: Path,
         return {**config.to_dict(), "strategy": strategy, "suite": "hybrid", "num_sites": prep.num_sites,
                 **({"site_plan": prep.site_plan} if strategy == "cpdp-over-two-stage" else {})}
 
-    results = run_jobs(config.strategies, work_dir=work_dir, topology=prep.topology, world_size=config.world_size,
-                       worker_file=worker.__file__, spec_for=spec_for, emit=emit)
+    results = run_per_strategy(config.strategies, work_dir=work_dir, topology=prep.topology,
+                               world_size=config.world_size, worker_file=worker.__file__, spec_for=spec_for, emit=emit)
     for r in results:
         if r.get("status") == "ok":
             r["step_s_median"] = median_period_step_s(r["step_s_by_rank"], config.period)

@@ -1,10 +1,10 @@
 """One rank of one ``cpdpkit bench hybrid`` run (launched by torchrun through :mod:`cpdpkit.launch`).
 
-    python -m cpdpkit.bench.hybrid_worker RUN_DIR
+    python -m cpdpkit.bench.hybrid.worker RUN_DIR
 
 reads ``RUN_DIR/spec.json`` (the suite's config and this run's strategy), trains
 ``warmup_steps + steps`` steps and rank 0 writes ``RUN_DIR/result.json`` with the fields of
-:mod:`cpdpkit.bench.sharding_worker` (step time, exposed communication in total and by tier, wire
+:mod:`cpdpkit.bench.sharding.worker` (step time, exposed communication in total and by tier, wire
 bytes by tier, peak RSS, final loss, ``loss_curve_rank_mean``: every step's loss, warm-up included,
 averaged over ranks) and, measured after the last step (max over ranks; the suite runs whole
 periods, so the last step is a reconciliation and, with ``overlap_steps``, its average is still in
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cpdpkit.bench._jobs import (
+from cpdpkit.bench._gpt_rank import (
     Run,
     ddp_over_blocks,
     fully_shard_blocks,
@@ -41,9 +41,8 @@ from cpdpkit.bench._jobs import (
     optimizer_step,
     run_rank,
 )
-from cpdpkit.bench._rank_io import RESULT_FILE, SPEC_FILE
 
-__all__ = ["main", "SPEC_FILE", "RESULT_FILE"]
+__all__ = ["main"]
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -80,7 +79,7 @@ def _memory_report(model: nn.Module, inner: torch.optim.Optimizer, sync: Any = N
 def _ddp_run(spec: dict[str, Any], model: nn.Module) -> Run:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    from cpdpkit.bench.zero_peers import WaitClock
+    from cpdpkit.bench.sharding.zero_peers import WaitClock
 
     clock = WaitClock()
     ddp = ddp_over_blocks(model)

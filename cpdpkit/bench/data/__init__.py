@@ -5,9 +5,9 @@ Nothing is downloaded. ``digits`` is scikit-learn's bundled 8x8 handwritten digi
 official layout: ``cifar-100-python/{train,test}`` (pickled dicts, read with an unpickler that
 admits only numpy arrays and builtins) or ``cifar-100-binary/{train,test}.bin`` (fixed-size
 records: coarse label, fine label, 3072 pixel bytes). ``tinyimagenet`` reads TinyImageNet (or any
-ImageFolder) on disk: :mod:`cpdpkit.bench.image_folders`. ``stdlib-text`` is next-character
-prediction on Python's own standard library (:mod:`cpdpkit.bench.text`). ``mnist1d`` is MNIST-1D
-generated offline by the ``mnist1d`` package (:mod:`cpdpkit.bench.mnist1d`).
+ImageFolder) on disk: :mod:`cpdpkit.bench.data.image_folders`. ``stdlib-text`` is next-character
+prediction on Python's own standard library (:mod:`cpdpkit.bench.data.text`). ``mnist1d`` is MNIST-1D
+generated offline by the ``mnist1d`` package (:mod:`cpdpkit.bench.data.mnist1d`).
 
 The train/test split is fixed (it never depends on the run's seed), so every strategy and
 every seed sees the same held-out set.
@@ -22,10 +22,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cpdpkit.bench.dataset import CIFAR_MEAN, CIFAR_STD, Dataset
-from cpdpkit.bench.image_folders import load_tiny_imagenet
-from cpdpkit.bench.mnist1d import load_mnist1d
-from cpdpkit.bench.text import load_stdlib_text
+from cpdpkit.bench.data.dataset import CIFAR_MEAN, CIFAR_STD, Dataset
+from cpdpkit.bench.data.image_folders import load_tiny_imagenet
+from cpdpkit.bench.data.mnist1d import load_mnist1d
+from cpdpkit.bench.data.text import load_stdlib_text
 from cpdpkit.errors import ConfigError
 
 __all__ = ["DATASETS", "Dataset", "load_dataset", "find_cifar100"]
@@ -154,10 +154,10 @@ def load_dataset(name: str, *, data_dir: str | Path | None = None, quick: bool =
         if data_dir is None:
             raise ConfigError("--dataset cifar100 needs --data-dir: the folder holding cifar-100-python/")
         return _cifar100(data_dir, quick)
-    if name == "tinyimagenet":  # or any ImageFolder: cpdpkit.bench.image_folders
+    if name == "tinyimagenet":  # or any ImageFolder: cpdpkit.bench.data.image_folders
         return load_tiny_imagenet(data_dir, quick=quick)
-    if name == "stdlib-text":  # next-character prediction on Python's stdlib: cpdpkit.bench.text
+    if name == "stdlib-text":  # next-character prediction on Python's stdlib: cpdpkit.bench.data.text
         return load_stdlib_text(quick=quick)
-    if name == "mnist1d":  # generated offline (never downloaded), cached in data_dir: cpdpkit.bench.mnist1d
+    if name == "mnist1d":  # generated offline (never downloaded), cached in data_dir: cpdpkit.bench.data.mnist1d
         return load_mnist1d(data_dir, quick=quick)
     raise ConfigError(f"unknown dataset {name!r}: choose one of {', '.join(DATASETS)}")

@@ -2,7 +2,7 @@
 
 A preset only changes defaults. Precedence, strongest first: an option given on the command line;
 ``--quick``'s reduced strategies, periods and epoch cap; the preset's ``--quick`` sizes (with
-``--quick``); the preset's settings; :class:`~cpdpkit.bench.config.BenchConfig`'s defaults.
+``--quick``); the preset's settings; :class:`~cpdpkit.bench.periodic.config.BenchConfig`'s defaults.
 
 ``paper`` (the abstract in ``shared/papers/cpdp-controlled-periodic-sync.txt``): ResNet-50 on
 CIFAR-100 "in the main fixed learning-rate setting of 0.1", compared at K=2 and K=4 over a WAN
@@ -16,7 +16,7 @@ that recipe also uses (1e-4 to 5e-4), is not an option of the bench yet.
 
 The data are never downloaded: the preset needs ``--data-dir``.
 
-``mnist1d``: a workload where models overfit that fits this CPU (:mod:`cpdpkit.bench.mnist1d`):
+``mnist1d``: a workload where models overfit that fits this CPU (:mod:`cpdpkit.bench.data.mnist1d`):
 MNIST-1D generated offline, its paper's 1-D CNN with shift augmentation, 4 emulated replicas split
 over the two ``wan`` sites (2 per site), SGD momentum 0.9 at a fixed LR of 0.1, ``ddp``, ``localsgd``
 and ``cpdp`` at K=4 over 3 seeds.
@@ -43,7 +43,7 @@ _DATA_NAMES = {"cifar100": "CIFAR-100", "tinyimagenet": "TinyImageNet"}
 
 @dataclass(frozen=True, kw_only=True)
 class Preset:
-    """Defaults for :class:`~cpdpkit.bench.config.BenchConfig`'s fields, and smaller ones for ``--quick``."""
+    """Defaults for :class:`~cpdpkit.bench.periodic.config.BenchConfig`'s fields, and smaller ones for ``--quick``."""
 
     description: str
     settings: Mapping[str, Any]
@@ -77,7 +77,7 @@ PRESETS: dict[str, Preset] = {
 
 
 def _missing_data_message(name: str, dataset: str) -> str:
-    from cpdpkit.bench.image_folders import LAYOUTS
+    from cpdpkit.bench.data.image_folders import LAYOUTS
 
     layouts = _CIFAR100_LAYOUTS if dataset == "cifar100" else LAYOUTS
     return (f"--preset {name} reads {_DATA_NAMES[dataset]} from disk and downloads nothing: give --data-dir DIR, "

@@ -1,6 +1,6 @@
 """Models for ``cpdpkit bench``: a small CNN, ResNet-50 with a CIFAR stem (ours), and torchvision's
-ResNet-18/50 and ViT-S when installed; ``char-mlp`` for the ``stdlib-text`` data set (:mod:`cpdpkit.bench.text`);
-``cnn1d``, the MNIST-1D paper's 1-D CNN, for ``mnist1d`` (:mod:`cpdpkit.bench.mnist1d`)."""
+ResNet-18/50 and ViT-S when installed; ``char-mlp`` for the ``stdlib-text`` data set (:mod:`cpdpkit.bench.data.text`);
+``cnn1d``, the MNIST-1D paper's 1-D CNN, for ``mnist1d`` (:mod:`cpdpkit.bench.data.mnist1d`)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import importlib.util
 
 from torch import nn
 
-from cpdpkit.bench.mnist1d import ConvBase1D
-from cpdpkit.bench.resnet_cifar import resnet50_cifar
-from cpdpkit.bench.text import CharMLP
+from cpdpkit.bench.models.char_mlp import CharMLP
+from cpdpkit.bench.models.cnn1d import ConvBase1D
+from cpdpkit.bench.models.resnet_cifar import resnet50_cifar
 from cpdpkit.errors import ConfigError
 
 __all__ = ["MODELS", "build_model", "check_model_available"]
@@ -66,7 +66,7 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn
     channels = input_shape[0]
     if name == "cnn":
         return SmallCNN(channels, num_classes)
-    if name == "resnet50-cifar":  # ours (cpdpkit.bench.resnet_cifar): no torchvision needed
+    if name == "resnet50-cifar":  # ours (cpdpkit.bench.models.resnet_cifar): no torchvision needed
         return resnet50_cifar(num_classes, in_channels=channels)
     import torchvision
 

@@ -1,6 +1,6 @@
 """Running every (strategy, period, seed) of a :class:`BenchConfig` as its own launched job.
 
-Each run is a fresh set of processes under torch's launcher (through :mod:`cpdpkit.launch`),
+Each run is a fresh set of processes launched by :func:`cpdpkit.bench.launcher.run_job`,
 over the emulated network named by its spec's topology (the config's when the spec names none;
 with several ``topologies`` the run folders start with the topology's name). A run that fails (a crashed rank,
 a diverged loss) is recorded with its reason and the others still run. Progress reaches the
@@ -11,18 +11,14 @@ caller as events: ``("start", spec)``, ``("epoch", spec, epoch, epochs)``,
 from __future__ import annotations
 
 import dataclasses
-import json
-import shutil
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cpdpkit.bench.config import BenchConfig, RunSpec
-from cpdpkit.bench.mnist1d import load_mnist1d
-from cpdpkit.bench.report import BenchReport, aggregate
-from cpdpkit.bench.worker import PROGRESS_FILE, RESULT_FILE, SPEC_FILE
+from cpdpkit.bench.data.mnist1d import load_mnist1d
+from cpdpkit.bench.launcher import Job, run_job
+from cpdpkit.bench.periodic.config import BenchConfig, RunSpec
+from cpdpkit.bench.periodic.report import BenchReport, aggregate
 from cpdpkit.topology import Topology, resolve_topology
 
 __all__ = ["resolve_bench_topologies", "run_bench", "run_one"]
@@ -39,36 +35,17 @@ def _run_dir(work_dir: Path, spec: RunSpec, config: BenchConfig) -> Path:
     return work_dir / f"{name}-seed{spec.seed}"
 
 
-def _launch(run_dir: Path, config: BenchConfig, topology: str | Topology, *,
-            max_restarts: int = 0) -> tuple[int, str, int]:
-    """Launch the worker on ``config.world_size`` ranks over ``topology``; ``(exit code, error line, restarts)``."""
-    from cpdpkit.bench import worker
-    from cpdpkit.launch import LaunchConfig, launch
+def _job(run_dir: Path, spec: RunSpec, config: BenchConfig, topology: str | Topology,
+         emit: Callable[[Event], None] | None = None) -> tuple[dict[str, Any], Job]:
+    """Launch the worker for ``spec`` on ``config.world_size`` ranks; its result (failed: status and reason)."""
+    from cpdpkit.bench.periodic import worker
 
-    result = launch(
-        LaunchConfig(nproc_per_node=config.world_size, topology=topology,
-                     log_dir=str(run_dir / "logs"), max_restarts=max_restarts),
-        worker.__file__, [str(run_dir)],
-    )
-    if result.ok:
-        return 0, "", result.restarts
-    return result.exit_code, f"rank {result.failed_rank}: {result.error}", result.restarts
-
-
-def _watch(run_dir: Path, spec: RunSpec, emit: Callable[[Event], None], stop: threading.Event) -> None:
-    seen = 0
-    path = run_dir / PROGRESS_FILE
-    while not stop.wait(0.2):
-        if not path.exists():
-            continue
-        lines = path.read_text().splitlines()
-        for line in lines[seen:]:
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                break  # a line still being written; read it next time
-            emit(("epoch", spec, entry["epoch"], entry["epochs"]))
-            seen += 1
+    on_progress = None if emit is None else (lambda entry: emit(("epoch", spec, entry["epoch"], entry["epochs"])))
+    job = run_job(run_dir, spec.to_dict(), worker_file=worker.__file__, world_size=config.world_size,
+                  topology=topology, max_restarts=1 if spec.fault else 0, on_progress=on_progress)
+    result = job.result if job.result is not None else {"spec": spec.to_dict(), "status": "failed",
+                                                        "reason": job.reason}
+    return result, job
 
 
 def run_one(spec: RunSpec, config: BenchConfig, work_dir: Path, emit: Callable[[Event], None] = lambda e: None,
@@ -77,43 +54,16 @@ def run_one(spec: RunSpec, config: BenchConfig, work_dir: Path, emit: Callable[[
     placed (``None``: the launcher resolves the spec's name)."""
     where = topology if topology is not None else spec.topology or config.topology
     run_dir = _run_dir(work_dir, spec, config)
-    _prepare(run_dir, spec)
     emit(("start", spec))
-    stop = threading.Event()
-    watcher = threading.Thread(target=_watch, args=(run_dir, spec, emit, stop), daemon=True)
-    watcher.start()
-    start = time.perf_counter()
-    try:
-        code, error, restarts = _launch(run_dir, config, where, max_restarts=1 if spec.fault else 0)
-    finally:
-        stop.set()
-        watcher.join()
-    launch_s = time.perf_counter() - start
-    result = _read_result(run_dir, spec, code, error)
-    result["launch_s"] = launch_s
-    result["harness_total_s"] = max(0.0, launch_s - float(result.get("wall_s") or 0.0))
+    result, job = _job(run_dir, spec, config, where, emit)
+    result["launch_s"] = job.launch_s
+    result["harness_total_s"] = max(0.0, job.launch_s - float(result.get("wall_s") or 0.0))
     result["run_dir"] = str(run_dir)
     if spec.fault:
-        result["restarts"] = restarts
-        result["fault"] = _compare_with_uninterrupted(spec, config, run_dir, result, restarts, where)
+        result["restarts"] = job.restarts
+        result["fault"] = _compare_with_uninterrupted(spec, config, run_dir, result, job.restarts, where)
     emit(("done", spec, result))
     return result
-
-
-def _prepare(run_dir: Path, spec: RunSpec) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in (RESULT_FILE, PROGRESS_FILE):
-        (run_dir / stale).unlink(missing_ok=True)
-    shutil.rmtree(run_dir / "ckpt", ignore_errors=True)  # a run never resumes from an earlier bench's checkpoints
-    (run_dir / SPEC_FILE).write_text(json.dumps(spec.to_dict(), indent=1))
-
-
-def _read_result(run_dir: Path, spec: RunSpec, code: int, error: str) -> dict[str, Any]:
-    result_path = run_dir / RESULT_FILE
-    if code == 0 and result_path.exists():
-        return json.loads(result_path.read_text())
-    reason = error or f"launch exited with code {code} and wrote no result"
-    return {"spec": spec.to_dict(), "status": "failed", "reason": reason}
 
 
 def _compare_with_uninterrupted(spec: RunSpec, config: BenchConfig, run_dir: Path, result: dict[str, Any],
@@ -121,9 +71,7 @@ def _compare_with_uninterrupted(spec: RunSpec, config: BenchConfig, run_dir: Pat
     """Run ``spec`` again without the fault (same checkpoints) and compare every rank's final parameters."""
     clean = dataclasses.replace(spec, fault=None)
     ref_dir = run_dir.with_name(run_dir.name + "-uninterrupted")
-    _prepare(ref_dir, clean)
-    code, error, _ = _launch(ref_dir, config, topology)
-    reference = _read_result(ref_dir, clean, code, error)
+    reference, _ = _job(ref_dir, clean, config, topology)
     mine, theirs = result.get("final_params_sha256"), reference.get("final_params_sha256")
     return {"injected": spec.fault, "restarts": restarts, "resumed_from_step": result.get("resumed_from_step"),
             "final_params_sha256": mine, "uninterrupted_params_sha256": theirs,

@@ -6,7 +6,7 @@ followed by ``RandomHorizontalFlip()``: pad each image by 4 pixels of black, tak
 probability 1/2. The batches hold normalised images, so "black" is each channel's
 ``(0 - mean) / std`` for the data sets whose normalisation is known (CIFAR-100, TinyImageNet) and
 0 (the mean) for the others. Only training batches are augmented, never the test set.
-``mnist1d``'s 1-D sequences get a random shift instead (:func:`cpdpkit.bench.mnist1d.random_shift`).
+``mnist1d``'s 1-D sequences get a random shift instead (:func:`cpdpkit.bench.data.mnist1d.random_shift`).
 
 The random draws come from a generator seeded by (run seed, epoch, rank) alone, so a run is
 reproducible, every rank draws differently, and every strategy of one seed sees the same
@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from cpdpkit.bench.dataset import CIFAR_MEAN, CIFAR_STD, Dataset
-from cpdpkit.bench.image_folders import TINY_IMAGENET_MEAN, TINY_IMAGENET_STD
-from cpdpkit.bench.mnist1d import random_shift
+from cpdpkit.bench.data.dataset import CIFAR_MEAN, CIFAR_STD, Dataset
+from cpdpkit.bench.data.image_folders import TINY_IMAGENET_MEAN, TINY_IMAGENET_STD
+from cpdpkit.bench.data.mnist1d import random_shift
 
 __all__ = ["CROP_PADDING", "IMAGE_DATASETS", "augment_generator", "black_fill", "epoch_augmenter", "first_images",
            "random_crop_flip"]
@@ -75,7 +75,7 @@ def epoch_augmenter(spec: Any, epoch: int, rank: int, channels: int) -> Callable
     if not getattr(spec, "augment", False):
         return None
     generator = augment_generator(spec.seed, epoch, rank)
-    if spec.dataset == "mnist1d":  # 1-D sequences: the MNIST-1D shift (cpdpkit.bench.mnist1d)
+    if spec.dataset == "mnist1d":  # 1-D sequences: the MNIST-1D shift (cpdpkit.bench.data.mnist1d)
         return lambda x: random_shift(x, generator)
     fill = black_fill(spec.dataset, channels)
     return lambda x: random_crop_flip(x, generator, fill=fill)

@@ -1,18 +1,15 @@
-"""What the suites that run one launched job per strategy share (``cpdpkit bench sharding`` and
-``cpdpkit bench hybrid``).
+"""The rank side the suites that time steps of the small GPT share (``cpdpkit bench sharding`` and
+``cpdpkit bench hybrid``; their parents launch through :func:`cpdpkit.bench.launcher.run_per_strategy`).
 
-In the parent: :func:`run_jobs` launches each strategy's job (torchrun through
-:mod:`cpdpkit.launch`, over the emulated topology written once to the work folder) and reads the
-result rank 0 wrote. On every rank: :func:`run_rank` builds the small GPT, asks the suite's
+On every rank: :func:`run_rank` builds the small GPT, asks the suite's
 ``setup`` for the strategy's :class:`Run`, trains ``warmup_steps + steps`` steps and measures the
 timed ones (step time, the training thread's blocked time on communication by tier, wire bytes by
-tier, peak RSS, the loss curve); :mod:`cpdpkit.bench.sharding_worker` documents every field.
+tier, peak RSS, the loss curve); :mod:`cpdpkit.bench.sharding.worker` documents every field.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import resource
 import sys
 import time
@@ -24,55 +21,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cpdpkit.bench._rank_io import RESULT_FILE, SPEC_FILE, finish_rank
+from cpdpkit.bench.launcher import finish_rank, read_spec
 from cpdpkit.network import LOCAL_TIER
-from cpdpkit.topology import Topology
 
-__all__ = ["Run", "run_jobs", "run_rank", "optimizer_for", "optimizer_factory", "optimizer_step", "fully_shard_blocks",
+__all__ = ["Run", "run_rank", "optimizer_for", "optimizer_factory", "optimizer_step", "fully_shard_blocks",
            "ddp_over_blocks", "max_over_ranks", "mean_over_ranks", "mean_list_over_ranks", "local_bytes"]
 
 TIER_NAMES = ("NVLINK", "IB", "WAN", "LAN", LOCAL_TIER)
-
-
-# ---- the parent: one launched job per strategy --------------------------------------------------
-def run_jobs(strategies: Iterable[str], *, work_dir: Path, topology: Topology, world_size: int, worker_file: str,
-             spec_for: Callable[[str], dict[str, Any]], emit: Callable[[tuple[Any, ...]], None],
-             unsupported: Callable[[str], str | None] = lambda s: None) -> list[dict[str, Any]]:
-    """Run each strategy as its own job of ``world_size`` ranks; one result dict per strategy, in order.
-
-    ``spec_for(strategy)`` is what the job's ranks read (``RUN_DIR/spec.json``); a strategy with an
-    ``unsupported`` reason is reported ``unsupported`` without a launch; a job that fails or writes
-    nothing is reported ``failed`` with the failing rank's one-line error.
-    """
-    from cpdpkit.launch import LaunchConfig, launch
-
-    work_dir.mkdir(parents=True, exist_ok=True)
-    results = []
-    for strategy in strategies:
-        emit(("start", strategy))
-        if (reason := unsupported(strategy)) is not None:
-            result = {"strategy": strategy, "status": "unsupported", "reason": reason, "launch_s": 0.0}
-            results.append(result)
-            emit(("done", strategy, result))
-            continue
-        run_dir = work_dir / strategy
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / RESULT_FILE).unlink(missing_ok=True)
-        (run_dir / SPEC_FILE).write_text(json.dumps(spec_for(strategy), indent=1))
-        t0 = time.perf_counter()
-        res = launch(LaunchConfig(nproc_per_node=world_size, topology=topology,
-                                  log_dir=str(run_dir / "logs")), worker_file, [str(run_dir)])
-        launch_s = time.perf_counter() - t0
-        path = run_dir / RESULT_FILE
-        if res.ok and path.exists():
-            result = json.loads(path.read_text())
-        else:
-            result = {"strategy": strategy, "status": "failed",
-                      "reason": f"rank {res.failed_rank}: {res.error}" if not res.ok else "no result written"}
-        result["launch_s"] = launch_s
-        results.append(result)
-        emit(("done", strategy, result))
-    return results
 
 
 # ---- every rank: the strategy, the training loop, the result -------------------------------------
@@ -189,7 +144,7 @@ def _profiled(spec: dict[str, Any]):  # noqa: ANN202
 
 
 def _batches(spec: dict[str, Any], rank: int, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    from cpdpkit.bench.gpt import gpt_preset, token_batch
+    from cpdpkit.bench.models.gpt import gpt_preset, token_batch
 
     cfg = gpt_preset(spec["model"])
     return [token_batch(cfg, seed=spec["seed"], step=i, global_batch=world * spec["batch_size"], rank=rank,
@@ -235,12 +190,10 @@ def run_rank(setup: Callable[[dict[str, Any], torch.nn.Module, tuple[torch.Tenso
     ``setup(spec, model, first_batch)`` wraps the freshly built model for the spec's strategy; an
     exception of an ``unsupported`` type (raised alike on every rank) is reported ``unsupported``.
     """
-    from cpdpkit.bench.gpt import TinyGPT, gpt_preset
+    from cpdpkit.bench.models.gpt import TinyGPT, gpt_preset
     from cpdpkit.emulator import init_distributed
 
-    argv = sys.argv[1:] if argv is None else argv
-    run_dir = Path(argv[0])
-    spec = json.loads((run_dir / SPEC_FILE).read_text())
+    run_dir, spec = read_spec(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(1)
     info = init_distributed()
     rank, world = info.rank, info.world_size
