@@ -27,7 +27,7 @@ Writes ``OUT/rank<R>.pt.trace.json`` (via ``cpdpkit.tracing``) and ``OUT.truth-r
 wall times ``launch_us``/``wait_us`` and their run-queue times
 ``launch_runnable_us``/``wait_runnable_us``.
 
-usage: python _profiler_cpu_workload.py RANK WORLD STORE_FILE OUT_DIR NUMEL COMPUTE_MS[,COMPUTE_MS...]
+usage: python _profiler_cpu_workload.py RANK WORLD STORE_FILE OUT_DIR NUMEL COMPUTE_MS[,COMPUTE_MS...] [pinned|unpinned] [sleep|spin]
 """
 
 from __future__ import annotations
@@ -129,6 +129,7 @@ def main() -> None:
             if ms > 0:  # (before a wait it would be part of the wait's gap: no trace can tell)
                 time.sleep(PYTHON_MS / 1e3)
             y = compute(x, ms) if ms > 0 else None
+            tc = time.perf_counter()
             q2 = run_delay()
             t2 = time.perf_counter()
             work.wait()
@@ -142,6 +143,7 @@ def main() -> None:
                 "wait_us": wait * 1e6,
                 "launch_runnable_us": call_rq * 1e6,
                 "wait_runnable_us": wait_rq * 1e6,
+                "before_wait_us": (t2 - tc) * 1e6,  # from compute's return to the wait (diagnosis)
             }
             del y
             time.sleep(PYTHON_MS / 1e3)
