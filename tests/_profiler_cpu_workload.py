@@ -16,6 +16,7 @@ the two apart: the compute is an op that sleeps (``truth::compute``, a ``cpu_op`
 other), so on a 2-core box the ranks' training threads do not fight gloo's workers for the
 cores; the training thread is pinned to one CPU and gloo's threads to the others; and where
 permitted (root) the training thread runs ``SCHED_FIFO``, so other processes do not preempt it.
+``unpinned`` leaves both out (an ordinary job), ``spin`` makes compute keep a core busy.
 
 Between the call and the compute, and between the wait and the next step, the thread spends
 ``PYTHON_MS`` outside any torch op (a gap in the trace, like data loading): not blocked in
@@ -27,7 +28,7 @@ Writes ``OUT/rank<R>.pt.trace.json`` (via ``cpdpkit.tracing``) and ``OUT.truth-r
 wall times ``launch_us``/``wait_us`` and their run-queue times
 ``launch_runnable_us``/``wait_runnable_us``.
 
-usage: python _profiler_cpu_workload.py RANK WORLD STORE_FILE OUT_DIR NUMEL COMPUTE_MS[,COMPUTE_MS...] [pinned|unpinned] [sleep|spin]
+usage: python _profiler_cpu_workload.py RANK WORLD STORE OUT NUMEL COMPUTE_MS[,...] [pinned|unpinned] [sleep|spin]
 """
 
 from __future__ import annotations
