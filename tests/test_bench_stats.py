@@ -185,7 +185,8 @@ def test_defaults_are_sgd_with_momentum_and_reach_every_run():
             config.optimizer_state, config.lr_schedule) == (0.9, None, 1.0, 0, "keep", "constant")
     # β by replicas: 0 at every count (measured at 2, 4 and 8: docs/results.md, "Issue 23, 2026-12-03")
     assert [BenchConfig(world_size=n).betas for n in (2, 4, 6, 8, 16, 32)] == [(0.0,)] * 6
-    assert [s.sync.slowmo_momentum for s in BenchConfig(world_size=8, strategies=("cpdp",), periods=(4,)).runs()] == [0.0]
+    assert [s.sync.slowmo_momentum
+            for s in BenchConfig(world_size=8, strategies=("cpdp",), periods=(4,)).runs()] == [0.0]
     assert [s.sync.slowmo_momentum for s in BenchConfig(world_size=8, strategies=("cpdp",), periods=(4,),
                                                         slowmo_momentum=0.5).runs()] == [0.5]
     runs = BenchConfig(strategies=("ddp", "cpdp"), periods=(4,), momentum=0.5, slowmo_momentum=0.7,
