@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[tools,dev,mnist1d]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[tools,dev,mnist1d,data]'
 	touch $(STAMP)
 
 # Holistic Trace Analysis (the profiler benchmark's peer) only for `make bench`.

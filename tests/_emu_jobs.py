@@ -48,7 +48,6 @@ NUM_JITTER_CALLS = 4
 TIMED_BYTES = 1024 * 1024
 FOUR_RANK_BYTES = 1024 * 1024
 NUM_TIMED_RUNS = 5
-REF_SLEEP_S = 0.03  # the reference call that measures how late this thread wakes under the load of the moment
 OVERLAP_COMPUTE_S = 0.05  # a busy loop until this much wall time has passed
 METER_BYTES = 1024
 CALL_LABEL = "test::all_reduce_call"
@@ -80,19 +79,39 @@ def _timed_runs(op: Callable[[], Any], gloo: Any) -> list[float]:
     return timed_runs(op, gloo, NUM_TIMED_RUNS)
 
 
-def collective_times(world: int, gloo: Any, num_bytes: int = TIMED_BYTES) -> dict[str, list[float]]:
-    """Every run's seconds of all_reduce, all_gather and reduce_scatter of ``num_bytes`` on the emulated
-    world (timed between barriers on ``gloo``)."""
+def _scheduled_runs(issue: Callable[[], Any], gloo: Any) -> dict[str, list[float]]:
+    """Each of ``NUM_TIMED_RUNS`` runs of the collective ``issue()`` issues (``async_op=True``), two ways:
+    ``wall_s``, timed from this rank's exit of a barrier on ``gloo`` (the model bounds it from below;
+    load only adds to it), and ``schedule_s``, the end the emulator scheduled less the last rank's issue,
+    both stamped by the issuing threads' own calls on the host's CLOCK_MONOTONIC (the model bounds it
+    from above: neither a late issue nor a late wake-up moves that difference)."""
+    stamps = []
+
+    def run() -> None:
+        work = issue()
+        work.wait()
+        stamps.append((work._booking.issued_s, work._booking.end_s))  # the emulated Work's own stamps
+
+    wall_s = _timed_runs(run, gloo)
+    mine = torch.tensor(stamps, dtype=torch.float64)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine, group=gloo)
+    stacked = torch.stack(every)  # rank, run, (issue, end)
+    return {"wall_s": wall_s, "schedule_s": (stacked[:, :, 1].amax(0) - stacked[:, :, 0].amax(0)).tolist()}
+
+
+def collective_times(world: int, gloo: Any, num_bytes: int = TIMED_BYTES) -> dict[str, dict[str, list[float]]]:
+    """Every run of all_reduce, all_gather and reduce_scatter of ``num_bytes`` on the emulated world
+    (:func:`_scheduled_runs`)."""
     n = num_bytes // 4
     x = torch.ones(n)
     gathered = torch.empty(n)
     scattered = torch.empty(n // world)
     return {
-        "all_reduce": _timed_runs(lambda: dist.all_reduce(x), gloo),
-        "all_gather": _timed_runs(lambda: dist.all_gather_into_tensor(gathered, torch.ones(n // world)), gloo),
-        "reduce_scatter": _timed_runs(lambda: dist.reduce_scatter_tensor(scattered, x), gloo),
-        # this thread's own lateness at the time: a sleep of known length, timed the same way
-        "wake_late_s": max(t - REF_SLEEP_S for t in _timed_runs(lambda: time.sleep(REF_SLEEP_S), gloo)),
+        "all_reduce": _scheduled_runs(lambda: dist.all_reduce(x, async_op=True), gloo),
+        "all_gather": _scheduled_runs(
+            lambda: dist.all_gather_into_tensor(gathered, torch.ones(n // world), async_op=True), gloo),
+        "reduce_scatter": _scheduled_runs(lambda: dist.reduce_scatter_tensor(scattered, x, async_op=True), gloo),
     }
 
 
@@ -335,7 +354,32 @@ def job_four_ranks(rank: int, world: int, gloo: Any, out: str) -> dict[str, Any]
     return result
 
 
+COMPRESSION_STEPS, COMPRESSION_PERIOD = 8, 4
+
+
+def job_compression(rank: int, world: int, gloo: Any, out: str) -> dict[str, Any]:
+    """Compressed reconciliations over the emulated WAN: the bytes the emulator counted for each codec."""
+    from cpdpkit.sync import PeriodicSyncOptimizer  # the sync package only where a job uses it
+
+    result: dict[str, Any] = {}
+    for codec in ("none", "bf16", "int8", "topk:0.1"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 300), torch.nn.Tanh(), torch.nn.Linear(300, 4))
+        opt = PeriodicSyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model=model, strategy="localsgd",
+                                    period=COMPRESSION_PERIOD, compression=codec, timeout_s=60)
+        with meter() as m:
+            for n in range(1, COMPRESSION_STEPS + 1):
+                g = torch.Generator().manual_seed(31 * n + rank)
+                opt.zero_grad()
+                model(torch.randn(16, 8, generator=g)).square().mean().backward()
+                opt.step()
+        result[codec] = {"ops": m.op_counts, "bytes": m.bytes_by_tier, "sent": opt.stats.bytes_sent,
+                         "numel": sum(p.numel() for p in model.parameters())}
+    return result
+
+
 JOBS: dict[str, Callable[[int, int, Any, str], dict[str, Any]]] = {
+    "compression": job_compression,
     "two_ranks": job_two_ranks,
     "four_ranks": job_four_ranks,
 }

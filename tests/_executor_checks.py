@@ -36,6 +36,27 @@ def check_collectives_labelled(events: list[tuple], allowed_foreign: tuple[str, 
     return {labels.phase_by_label(e[0]) for e in events if labels.phase_by_label(e[0]) is not None}
 
 
+def check_misuse_and_labels(results: list[dict[str, Any]], cases: list[dict[str, Any]],
+                            allowed_foreign: tuple[str, ...]) -> list[tuple[list[str], dict[str, Any]]]:
+    """Both executors on gloo ranks: accumulating without no_sync is two errors (a zero_grad() after a
+    synced backward, a second synced backward before step()), and every collective of the clipping
+    case is labelled with each communication phase seen. Each rank's (errors, clipping case) for the
+    executor's own checks."""
+    by_name = {c["name"]: i for i, c in enumerate(cases)}
+    out = []
+    for rank_result in results:
+        errors = rank_result["cases"][by_name["adamw-accum"]]["ex"]["errors"]
+        assert len(errors) == 2 and "zero_grad() after a synced backward" in errors[0], errors
+        assert "a second synced backward before step()" in errors[1], errors
+        ex = rank_result["cases"][by_name["sgd-clip-alternate"]]["ex"]
+        seen = check_collectives_labelled(ex["events"], allowed_foreign)
+        h = labels.SHARD
+        assert {h.GRAD_REDUCE_SCATTER, h.GRAD_WAIT, h.GRAD_NORM, h.PARAM_ALL_GATHER, h.PARAM_WAIT, h.UPDATE,
+                h.TIMINGS} <= seen, seen
+        out.append((errors, ex))
+    return out
+
+
 def _expected_clip_stats(clipped: list[bool]) -> tuple[int, int]:
     """(speculated, mispredicted) steps under the adaptive rule: no speculation after a clipped step."""
     speculated = mispredicted = 0

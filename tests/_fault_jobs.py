@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -37,7 +38,6 @@ NUM_STEPS = 8
 NUM_BYTES = 4096
 CONTEND_BYTES = 1 << 20
 LATE_S, P2P_LATE_S = 0.08, 0.05  # how late rank 1 arrives in the skew job
-REF_SLEEP_S = 0.03  # the reference call that measures how late the ranks wake under the load of the moment
 
 
 @dataclass
@@ -83,29 +83,45 @@ def _train(rank: int, steps: int) -> dict[str, Any]:
     return {"calls": calls, "param_sum": float(param.sum())}
 
 
+def _timed(issue: Callable[[], list[Any]], gloo: Any, *, group: int = 0, late_s: float = 0.0,
+           first: bool = False) -> dict[str, float]:
+    """One timed collective, two ways: ``wall_s``, its makespan on the wall clock (:func:`makespan_s`:
+    what the model bounds from below; the load of the moment only adds to it), and ``schedule_s``, the
+    end the emulator scheduled for its last member less the last member's issue, both stamped by the
+    issuing threads' own calls on the host's CLOCK_MONOTONIC (what the model bounds from above: a
+    rank descheduled before its issue, or woken late after the end, moves neither stamp's difference).
+
+    ``issue()`` issues this rank's collectives with ``async_op=True`` and returns their Works (none
+    when this rank takes no part)."""
+    stamps: list[tuple[float, float]] = []
+
+    def run() -> None:
+        for work in issue():
+            work.wait()
+            stamps.append((work._booking.issued_s, work._booking.end_s))  # the emulated Work's own stamps
+
+    wall_s = makespan_s(run, gloo, group=group, late_s=late_s, first=first)
+    mine = torch.tensor([max(s) for s in zip(*stamps)] if stamps else [float("nan")] * 2, dtype=torch.float64)
+    every = [torch.zeros(2, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine, group=gloo)
+    rows = [t.tolist() for t in every if not t.isnan().any()]
+    return {"wall_s": wall_s, "schedule_s": max(end for _, end in rows) - max(issued for issued, _ in rows)}
+
+
 def _skew(rank: int, gloo: Any) -> dict[str, Any]:
     """Rank 1 arrives 80 ms late at an all-reduce of the world, then 50 ms late at a send to rank 0."""
     x = torch.ones(NUM_BYTES // 4)
     dist.all_reduce(x)  # warm-up
     # the first rank to complete: an on-time rank (before issue 15 it did not wait for the late one)
-    out = {name: makespan_s(lambda: dist.all_reduce(x), gloo, late_s=late_s if rank == 1 else 0.0, first=True)
+    out = {name: _timed(lambda: [dist.all_reduce(x, async_op=True)], gloo, late_s=late_s if rank == 1 else 0.0,
+                        first=True)
            for name, late_s in (("on_time", 0.0), ("late", LATE_S))}
 
-    def p2p() -> None:
-        if rank == 1:
-            dist.send(x, 0)
-        elif rank == 0:
-            dist.recv(x, 1)
+    def p2p() -> list[Any]:
+        return [dist.isend(x, 0)] if rank == 1 else [dist.irecv(x, 1)] if rank == 0 else []
 
-    out["p2p"] = makespan_s(p2p, gloo, group=0 if rank < 2 else -1, late_s=P2P_LATE_S if rank == 1 else 0.0,
-                             first=True)
+    out["p2p"] = _timed(p2p, gloo, group=0 if rank < 2 else -1, late_s=P2P_LATE_S if rank == 1 else 0.0, first=True)
     return out
-
-
-def _wake_late_s(gloo: Any) -> float:
-    """How late the ranks end a plain sleep of known length, timed as the collectives are (the worst
-    of three): what the load of the moment adds to any timed call, the emulator's included."""
-    return max(makespan_s(lambda: time.sleep(REF_SLEEP_S), gloo) - REF_SLEEP_S for _ in range(3))
 
 
 def _contend(rank: int, gloo: Any) -> dict[str, Any]:
@@ -115,14 +131,13 @@ def _contend(rank: int, gloo: Any) -> dict[str, Any]:
     x = torch.ones(CONTEND_BYTES // 4)
     dist.all_reduce(x, group=mine)  # warm-up
 
-    def alone() -> None:
-        if rank % 2 == 0:
-            dist.all_reduce(x, group=mine)
+    def alone() -> list[Any]:
+        return [dist.all_reduce(x, group=mine, async_op=True)] if rank % 2 == 0 else []
 
-    return {"alone": makespan_s(alone, gloo, group=0 if rank % 2 == 0 else -1),
-            "together": makespan_s(lambda: dist.all_reduce(x, group=mine), gloo, group=rank % 2),
+    return {"alone": _timed(alone, gloo, group=0 if rank % 2 == 0 else -1),
+            "together": _timed(lambda: [dist.all_reduce(x, group=mine, async_op=True)], gloo, group=rank % 2),
             # the world: 2 levels (LAN inside a site, WAN between), priced hierarchically
-            "world": makespan_s(lambda: dist.all_reduce(x), gloo)}
+            "world": _timed(lambda: [dist.all_reduce(x, async_op=True)], gloo)}
 
 
 def main(job: str, rank: int, world: int, folder: str, timeout_s: float) -> None:
@@ -142,7 +157,6 @@ def main(job: str, rank: int, world: int, folder: str, timeout_s: float) -> None
         result.update(_skew(rank, gloo))
         if world == 4:
             result.update(_contend(rank, gloo))
-        result["wake_late_s"] = _wake_late_s(gloo)
         dist.barrier(gloo)
     result["world_size"] = info.world_size
     Path(folder, f"rank{rank}.json").write_text(json.dumps(result))

@@ -16,6 +16,7 @@ the two apart: the compute is an op that sleeps (``truth::compute``, a ``cpu_op`
 other), so on a 2-core box the ranks' training threads do not fight gloo's workers for the
 cores; the training thread is pinned to one CPU and gloo's threads to the others; and where
 permitted (root) the training thread runs ``SCHED_FIFO``, so other processes do not preempt it.
+``unpinned`` leaves both out (an ordinary job), ``spin`` makes compute keep a core busy.
 
 Between the call and the compute, and between the wait and the next step, the thread spends
 ``PYTHON_MS`` outside any torch op (a gap in the trace, like data loading): not blocked in
@@ -27,7 +28,7 @@ Writes ``OUT/rank<R>.pt.trace.json`` (via ``cpdpkit.tracing``) and ``OUT.truth-r
 wall times ``launch_us``/``wait_us`` and their run-queue times
 ``launch_runnable_us``/``wait_runnable_us``.
 
-usage: python _profiler_cpu_workload.py RANK WORLD STORE_FILE OUT_DIR NUMEL COMPUTE_MS[,COMPUTE_MS...]
+usage: python _profiler_cpu_workload.py RANK WORLD STORE OUT NUMEL COMPUTE_MS[,...] [pinned|unpinned] [sleep|spin]
 """
 
 from __future__ import annotations
@@ -49,9 +50,17 @@ from cpdpkit.tracing import trace_rank
 PYTHON_MS = 2.0
 
 
+SPIN = False  # compute that keeps a core busy (the ``spin`` argument) instead of sleeping
+
+
 @torch.library.custom_op("truth::compute", mutates_args=())
 def compute(x: torch.Tensor, ms: float) -> torch.Tensor:
-    time.sleep(ms / 1e3)
+    if SPIN:
+        end = time.perf_counter() + ms / 1e3
+        while time.perf_counter() < end:
+            pass
+    else:
+        time.sleep(ms / 1e3)
     return torch.empty(0)
 
 
@@ -95,6 +104,9 @@ def main() -> None:
     rank, world, store, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     numel = int(sys.argv[5])
     compute_ms = [float(x) for x in sys.argv[6].split(",")]
+    pinned = (sys.argv[7] if len(sys.argv) > 7 else "pinned") == "pinned"
+    global SPIN
+    SPIN = len(sys.argv) > 8 and sys.argv[8] == "spin"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     grad = torch.randn(numel)
@@ -106,8 +118,9 @@ def main() -> None:
     run_delay = _run_delay_reader()
     pg = dist.group.WORLD
     with trace_rank(out, run_info={"strategy": "truth", "world_size": world}) as prof:
-        _pin_threads()  # here, so that the profiler's threads move off the training thread's CPU too
-        _realtime(True)
+        if pinned:
+            _pin_threads()  # here, so that the profiler's threads move off the training thread's CPU too
+            _realtime(True)
         for ms in compute_ms:
             q0 = run_delay()
             t0 = time.perf_counter()
@@ -117,6 +130,7 @@ def main() -> None:
             if ms > 0:  # (before a wait it would be part of the wait's gap: no trace can tell)
                 time.sleep(PYTHON_MS / 1e3)
             y = compute(x, ms) if ms > 0 else None
+            tc = time.perf_counter()
             q2 = run_delay()
             t2 = time.perf_counter()
             work.wait()
@@ -130,11 +144,13 @@ def main() -> None:
                 "wait_us": wait * 1e6,
                 "launch_runnable_us": call_rq * 1e6,
                 "wait_runnable_us": wait_rq * 1e6,
+                "before_wait_us": (t2 - tc) * 1e6,  # from compute's return to the wait (diagnosis)
             }
             del y
             time.sleep(PYTHON_MS / 1e3)
             prof.step()
-        _realtime(False)
+        if pinned:
+            _realtime(False)
     with open(f"{out}.truth-rank{rank}.json", "w") as fh:
         json.dump(truth, fh)
     dist.barrier()

@@ -107,6 +107,14 @@ def job_numerics(rank: int, world: int, tmp: str) -> dict[str, Any]:
     train(dil, opt_dil, rank, range(STEPS))
     out["outer"] = [(t.numel(), t.dtype) for s in opt_dil.state_dict()["cpdpkit"]["outer"]["state"]
                     for t in s.values()]
+    # int8 compression over the shards: the residuals are shard-sized, only compressed shards cross
+    comp = shard(make_model(), mesh["shard"])
+    opt_c = PeriodicSyncOptimizer(adamw(comp), model=comp, group=replicate, strategy="cpdp", period=2,
+                                  compression="int8", timeout_s=60)
+    train(comp, opt_c, rank, range(STEPS))
+    out["compressed_stats"] = opt_c.stats
+    out["residuals"] = [(t.numel(), t.dtype, bool(t.abs().max() > 0))
+                        for t in opt_c.state_dict()["cpdpkit"]["residuals"]]
     # a checkpoint mid-period (step 3 of K=4, overlap in flight), resumed into fresh objects
     ckpt = Checkpointer(Path(tmp) / "ckpt", every=3, timeout_s=60)
     a = shard(make_model(), mesh["shard"])

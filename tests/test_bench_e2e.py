@@ -18,6 +18,7 @@ from cpdpkit.bench.periodic.config import BENCH_STRATEGIES, DEFAULT_STRATEGIES, 
 from cpdpkit.bench.periodic.runner import run_one
 from cpdpkit.cli import app
 from cpdpkit.cli.bench import _bench_config
+from cpdpkit.sync.config import SyncConfig
 
 RESULT_KEYS = {"strategy", "period", "peak_test_acc", "final_test_acc", "wall_s", "step_s",
                "exposed_sync_s_per_step", "bytes_per_step", "seeds"}
@@ -57,7 +58,7 @@ def test_quick_bench_writes_table_json_plot_and_traces(tmp_path):
 def _spec(**kw) -> RunSpec:
     base = dict(strategy="cpdp", period=2, seed=0, model="cnn", dataset="synthetic",
                 data_dir=None, epochs=1, batch_size=32, lr=0.1, momentum=0.0,
-                slowmo_momentum=0.5, quick=True)
+                sync=SyncConfig(slowmo_momentum=0.5), quick=True)
     base.update(kw)
     return RunSpec(**base)
 
@@ -79,7 +80,8 @@ def test_failed_and_diverged_runs_are_reported_with_their_reason(tmp_path):
 @pytest.mark.timeout(120)
 def test_auto_k_run_reports_its_k_over_time(tmp_path):
     config = BenchConfig(world_size=2, topologies=("lan", "wan"))
-    result = run_one(_spec(strategy="cpdp-auto", period=None, k_max=4, topology="wan"), config, tmp_path)
+    spec = _spec(strategy="cpdp-auto", period=None, sync=SyncConfig(slowmo_momentum=0.5, k_max=4), topology="wan")
+    result = run_one(spec, config, tmp_path)
     assert result["status"] == "ok", result.get("reason")
     assert Path(result["run_dir"]).name == "wan-cpdp-auto-seed0" and result["topology"] == "wan"
     history = result["period_history"]
@@ -163,7 +165,7 @@ def test_help_documents_the_configs_defaults():
     assert documented.pop("strategies") == "all but slowmo-overlap and cpdp-step-then-average"
     assert config.strategies == DEFAULT_STRATEGIES
     assert set(BENCH_STRATEGIES) - set(DEFAULT_STRATEGIES) == {"slowmo-overlap", "cpdp-step-then-average"}
-    assert documented.pop("slowmo_momentum").startswith("by replicas: 0 below 8") and config.slowmo_momentum is None
+    assert documented.pop("slowmo_momentum").startswith("0 at every replica count") and config.slowmo_momentum is None
     assert documented.pop("outer_lr") == "diloco 0.7, a torch.optim class 1.0" and config.outer_lr is None
     assert documented.pop("periods") == ",".join(map(str, config.periods))
     assert documented.pop("max_divergence") == "no cap" and config.max_divergence is None

@@ -35,6 +35,7 @@ from cpdpkit.bench.periodic.config import BenchConfig, RunSpec
 from cpdpkit.bench.periodic.presets import PRESETS, apply_preset
 from cpdpkit.cli import app
 from cpdpkit.errors import ConfigError
+from cpdpkit.sync.config import SyncConfig
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -162,7 +163,7 @@ def test_augmentation_is_seeded_per_seed_epoch_and_rank():
 
 def _spec(**kw) -> RunSpec:
     base = dict(strategy="cpdp", period=2, seed=0, model="resnet50-cifar", dataset="cifar100", data_dir="d",
-                epochs=1, batch_size=4, lr=0.1, momentum=0.9, slowmo_momentum=0.5, quick=True)
+                epochs=1, batch_size=4, lr=0.1, momentum=0.9, sync=SyncConfig(slowmo_momentum=0.5), quick=True)
     return RunSpec(**{**base, **kw})
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -148,3 +149,42 @@ def test_aggregate_means_deltas_and_failures():
     assert set(out["results"][1]) >= {"strategy", "period", "peak_test_acc", "final_test_acc",
                                        "wall_s", "step_s", "exposed_sync_s_per_step",
                                        "bytes_per_step", "seeds"}
+
+
+@pytest.mark.parametrize(("dataset", "module", "package", "extra", "args"), [
+    ("digits", "sklearn", "scikit-learn", "data", ["--model", "cnn"]),
+    ("tinyimagenet", "PIL", "pillow", "data", ["--model", "cnn", "--data-dir", "."]),
+])
+def test_a_data_set_whose_extra_is_missing_is_one_line_naming_the_extra(monkeypatch, tmp_path, dataset, module,
+                                                                      package, extra, args):
+    # scikit-learn and pillow are the optional extra `data` (pyproject; make setup installs it): hide one
+    import importlib.util
+
+    from typer.testing import CliRunner
+
+    from cpdpkit.cli import app
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else real(name, *a))
+    line = (f"--dataset {dataset} needs the {package} package, which is not installed: pip install "
+            f"'cpdpkit[{extra}]' (make setup installs it)")
+    with pytest.raises(ConfigError) as info:
+        BenchConfig(dataset=dataset, model="cnn", data_dir=str(tmp_path))
+    assert str(info.value) == line
+    result = CliRunner().invoke(app, ["bench", "--dataset", dataset, *args, "--work-dir", str(tmp_path / "w")])
+    assert result.exit_code == 2, result.output
+    assert [ln for ln in result.output.splitlines() if ln.strip()] == [f"error: {line}"]
+    assert not (tmp_path / "w").exists()
+    with pytest.raises(ConfigError, match=r"^" + re.escape(line) + "$"):
+        load_dataset(dataset, data_dir=tmp_path)
+
+
+def test_scikit_learn_and_pillow_are_the_data_extra_that_make_setup_installs():
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    assert not [d for d in project["dependencies"] if d.startswith(("scikit-learn", "pillow"))]
+    assert sorted(d.split(">")[0] for d in project["optional-dependencies"]["data"]) == ["pillow", "scikit-learn"]
+    assert "-e '.[tools,dev,mnist1d,data]'" in (root / "Makefile").read_text()

@@ -183,15 +183,17 @@ def test_defaults_are_sgd_with_momentum_and_reach_every_run():
     config = BenchConfig()
     assert (config.momentum, config.slowmo_momentum, config.slowmo_lr, config.warmup_steps,
             config.optimizer_state, config.lr_schedule) == (0.9, None, 1.0, 0, "keep", "constant")
-    # β by replicas: 0 below 8 (measured at 2 and 4), fairscale's 0.5 at 8 and 0.6 at 16 and more
-    assert [BenchConfig(world_size=n).betas for n in (2, 4, 6, 8, 16, 32)] == [
-        (0.0,), (0.0,), (0.0,), (0.5,), (0.6,), (0.6,)]
-    assert [s.slowmo_momentum for s in BenchConfig(world_size=8, strategies=("cpdp",), periods=(4,)).runs()] == [0.5]
+    # β by replicas: 0 at every count (measured at 2, 4 and 8: docs/results.md, "Issue 23, 2026-12-03")
+    assert [BenchConfig(world_size=n).betas for n in (2, 4, 6, 8, 16, 32)] == [(0.0,)] * 6
+    assert [s.sync.slowmo_momentum
+            for s in BenchConfig(world_size=8, strategies=("cpdp",), periods=(4,)).runs()] == [0.0]
+    assert [s.sync.slowmo_momentum for s in BenchConfig(world_size=8, strategies=("cpdp",), periods=(4,),
+                                                        slowmo_momentum=0.5).runs()] == [0.5]
     runs = BenchConfig(strategies=("ddp", "cpdp"), periods=(4,), momentum=0.5, slowmo_momentum=0.7,
                        slowmo_lr=0.8, warmup_steps=3, optimizer_state="reset", lr_schedule="step").runs()
     for spec in runs:
-        assert (spec.momentum, spec.slowmo_momentum, spec.slowmo_lr, spec.warmup_steps, spec.optimizer_state,
-                spec.lr_schedule) == (0.5, 0.7, 0.8, 3, "reset", "step")
+        assert (spec.momentum, spec.sync.slowmo_momentum, spec.sync.slowmo_lr, spec.sync.warmup_steps,
+                spec.sync.optimizer_state, spec.lr_schedule) == (0.5, 0.7, 0.8, 3, "reset", "step")
         assert RunSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
     old = {k: v for k, v in runs[0].to_dict().items()
            if k not in ("slowmo_lr", "warmup_steps", "optimizer_state", "lr_schedule")}
@@ -262,21 +264,21 @@ def test_the_runner_steps_its_scheduler_after_each_optimizer_step():
     assert seen == pytest.approx([0.1, 0.1, 0.01, 0.001])
 
 
-_SYNC = {"overlap_steps": 3, "target_exposed_frac": 0.05, "k_min": 1, "k_max": 8, "max_divergence": None}
 
 
 def _bench_strategies_on_rank(rank: int, world: int) -> dict:
     """Every kind of bench runner, built as the worker builds it; the lr it trains with, its options."""
     from cpdpkit.bench.periodic.strategies import build_strategy
+    from cpdpkit.sync.config import SyncConfig
 
     out = {}
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(8, 3, generator=g), torch.randint(0, 2, (8,), generator=g)
     for strategy in ("ddp", "localsgd-torch", "localsgd", "cpdp"):
         torch.manual_seed(0)
-        runner = build_strategy(strategy, 2, nn.Linear(3, 2), lr=0.1, momentum=0.9, slowmo_momentum=0.6,
-                                slowmo_lr=0.7, warmup_steps=2, optimizer_state="average", lr_schedule="step",
-                                total_steps=8, sync=_SYNC)
+        sync = SyncConfig(slowmo_momentum=0.6, slowmo_lr=0.7, warmup_steps=2, optimizer_state="average")
+        runner = build_strategy(strategy, 2, nn.Linear(3, 2), lr=0.1, momentum=0.9, lr_schedule="step",
+                                total_steps=8, sync=sync, overlap_steps=3)
         lrs = []
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -313,10 +315,10 @@ def test_swept_slowmo_momentum_and_outer_lr_run_every_point_and_group_apart():
     config = BenchConfig(strategies=("ddp", "localsgd", "cpdp"), periods=(2, 4), slowmo_momentum=(0.0, 0.5))
     assert [s.label for s in config.runs()] == ["ddp", "localsgd K=2", "localsgd K=4", "cpdp K=2 β=0", "cpdp K=2 β=0.5",
                                                 "cpdp K=4 β=0", "cpdp K=4 β=0.5"]
-    assert [s.slowmo_momentum for s in config.runs() if s.strategy == "cpdp"] == [0.0, 0.5, 0.0, 0.5]
+    assert [s.sync.slowmo_momentum for s in config.runs() if s.strategy == "cpdp"] == [0.0, 0.5, 0.0, 0.5]
     assert config.to_dict()["slowmo_momentum"] == [0.0, 0.5]
     diloco = BenchConfig(strategies=("cpdp",), periods=(4,), outer_optimizer="diloco", outer_lr=(0.5, 0.7))
-    assert [(s.label, s.outer_lr) for s in diloco.runs()] == [("cpdp K=4 outer lr=0.5", 0.5),
+    assert [(s.label, s.sync.outer_lr) for s in diloco.runs()] == [("cpdp K=4 outer lr=0.5", 0.5),
                                                               ("cpdp K=4 outer lr=0.7", 0.7)]
     runs = [{"spec": {"strategy": "cpdp", "period": 4, "seed": 0, "variant": v}, "status": "failed", "reason": "x"}
             for v in ("β=0", "β=0.5")]

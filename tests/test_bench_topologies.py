@@ -62,7 +62,8 @@ def test_runs_cover_each_topology_and_carry_the_new_options():
     assert [(r.topology, r.label) for r in runs] == [
         ("lan", "ddp"), ("lan", "cpdp-overlap K=4"), ("lan", "cpdp-auto"),
         ("wan", "ddp"), ("wan", "cpdp-overlap K=4"), ("wan", "cpdp-auto")]
-    assert {(r.overlap_steps, r.k_min, r.k_max, r.max_divergence, r.target_exposed_frac) for r in runs} == {
+    assert {(r.overlap_steps, r.sync.k_min, r.sync.k_max, r.sync.max_divergence, r.sync.target_exposed_frac)
+            for r in runs} == {
         (2, 1, 16, 0.02, 0.2)}
     assert [r.profile_dir for r in runs[::3]] == ["traces/lan", "traces/wan"]  # traces of one topology apart
     assert config.to_dict()["topologies"] == ["lan", "wan"]
@@ -86,20 +87,26 @@ def test_run_folders_name_the_topology_only_when_there_are_several(tmp_path):
 
 # ---- our strategies' options and K over time -------------------------------------------------------
 def test_sync_options_of_each_bench_strategy():
-    from cpdpkit.bench.periodic.strategies import sync_options
+    from cpdpkit.bench.periodic.strategies import run_sync_config, sync_options
+    from cpdpkit.sync.config import SyncConfig
 
-    kw = {"overlap_steps": 2, "target_exposed_frac": 0.2, "k_min": 1, "k_max": 8, "max_divergence": None}
+    kw = {"overlap_steps": 2}
     assert sync_options("cpdp", 4, **kw) == {"strategy": "cpdp", "period": 4}
     assert sync_options("cpdp-overlap", 4, **kw) == {"strategy": "cpdp", "period": 4, "overlap_steps": 2}
     assert sync_options("slowmo-overlap", 2, **kw) == {"strategy": "slowmo", "period": 2, "overlap_steps": 2}
     assert sync_options("cpdp-step-then-average", 4, **kw) == {"strategy": "cpdp", "period": 4,
                                                                "cpdp_order": "step-then-average"}
-    outer = {**kw, "outer_optimizer": "diloco", "outer_lr": None}
-    assert sync_options("cpdp-overlap", 4, **outer) == {"strategy": "cpdp", "period": 4, "overlap_steps": 2,
-                                                        "outer_optimizer": "diloco", "outer_lr": None}
-    assert sync_options("localsgd", 4, **outer) == {"strategy": "localsgd", "period": 4}  # no outer step
-    assert sync_options("cpdp-auto", None, **kw) == {"strategy": "cpdp", "period": "auto", "target_exposed_frac": 0.2,
-                                                     "k_min": 1, "k_max": 8, "max_divergence": None}
+    # the bench's SyncConfig reaches the optimizer as it is, with the strategy's own part set
+    outer = SyncConfig(outer_optimizer="diloco", slowmo_momentum=0.2, target_exposed_frac=0.2)
+    got = run_sync_config("cpdp-overlap", 4, outer, **kw)
+    assert got == SyncConfig(strategy="cpdp", period=4, overlap_steps=2, outer_optimizer="diloco",
+                             slowmo_momentum=0.2, target_exposed_frac=0.2)
+    assert (got.outer_optimizer, got.outer_lr) == ("diloco", None)
+    assert run_sync_config("localsgd", 4, outer, **kw) == SyncConfig(  # no outer step
+        strategy="localsgd", period=4, slowmo_momentum=0.2, target_exposed_frac=0.2)
+    auto = SyncConfig(target_exposed_frac=0.2, k_min=1, k_max=8, max_divergence=None)
+    assert run_sync_config("cpdp-auto", None, auto, **kw) == SyncConfig(
+        strategy="cpdp", period="auto", target_exposed_frac=0.2, k_min=1, k_max=8, max_divergence=None)
 
 
 def test_period_history_from_the_optimizers_stats():

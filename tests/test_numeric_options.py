@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -17,12 +18,25 @@ pytestmark = pytest.mark.timeout(120)
 FINITE = "is not a finite number; pass a real value (NaN and infinities are refused)"
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", "from cpdpkit.cli import main; main()", *args],
-                          capture_output=True, text=True, timeout=100)
+# Every case's command line through the console entry point in ONE fresh interpreter (one torch import,
+# not one per case): each call's exit code and what it wrote to stderr, by case.
+_DRIVER = """
+import contextlib, io, json, sys
+from cpdpkit.cli import main
+out = []
+for args in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            main(args)
+            code = 0
+        except SystemExit as exc:
+            code = exc.code
+    out.append({"returncode": code, "stderr": err.getvalue()})
+print(json.dumps(out))
+"""
 
-
-@pytest.mark.parametrize(("args", "line"), [
+REFUSALS = [
     (["bench", "--lr", "nan"], f"error: --lr nan {FINITE}"),
     (["bench", "--lr", "inf"], f"error: --lr inf {FINITE}"),
     (["bench", "--slowmo-lr", "nan"], f"error: --slowmo-lr nan {FINITE}"),
@@ -36,10 +50,21 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     (["bench", "--seeds", "100000000"],  # the fuzzer's seed-26 hang: the runs were built before any check
      "error: --seeds 100000000 with these strategies, periods and topologies makes 1200000000 runs, more than "
      "10000: pass fewer --seeds, --strategies or --periods"),
-])
-def test_cli_refuses_in_one_line(args: list[str], line: str) -> None:
-    proc = _cli(*args)
-    assert proc.returncode == 2 and proc.stderr.strip() == line, proc.stderr
+]
+
+
+@pytest.fixture(scope="module")
+def refused() -> list[dict[str, object]]:
+    proc = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps([args for args, _ in REFUSALS])],
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", range(len(REFUSALS)), ids=[line for _, line in REFUSALS])
+def test_cli_refuses_in_one_line(refused: list[dict[str, object]], case: int) -> None:
+    line, got = REFUSALS[case][1], refused[case]
+    assert got["returncode"] == 2 and str(got["stderr"]).strip() == line, got
 
 
 @pytest.mark.parametrize("field", ["slowmo_lr", "slowmo_momentum", "bucket_cap_mb", "timeout_s", "target_exposed_frac"])

@@ -19,7 +19,6 @@ import _executor_jobs as ej
 import _partial_jobs as jobs
 import _planner_jobs as pj
 from _ranks import SPAWN_TIMEOUT_S, share_spawn
-from cpdpkit import labels
 from cpdpkit.planner import PlannerConfig, PlannerError, plan_sharding
 from cpdpkit.shard.partial import PartialShardExecutor
 
@@ -102,16 +101,7 @@ def test_partial_matches_data_parallel_on_4_gloo_ranks(gloo_results):
 @pytest.mark.timeout(SPAWN_TIMEOUT_S)
 def test_partial_misuse_labels_and_checkpoint_on_4_gloo_ranks(gloo_results):
     _plan, results = gloo_results
-    by_name = {c["name"]: i for i, c in enumerate(GLOO_CASES)}
-    for rank_result in results:
-        errors = rank_result["cases"][by_name["adamw-accum"]]["ex"]["errors"]
-        assert len(errors) == 2 and "zero_grad() after a synced backward" in errors[0], errors
-        assert "a second synced backward before step()" in errors[1], errors
-        ex = rank_result["cases"][by_name["sgd-clip-alternate"]]["ex"]
-        seen = checks.check_collectives_labelled(ex["events"], ())
-        h = labels.SHARD
-        assert {h.GRAD_REDUCE_SCATTER, h.GRAD_WAIT, h.GRAD_NORM, h.PARAM_ALL_GATHER, h.PARAM_WAIT, h.UPDATE,
-                h.TIMINGS} <= seen, seen
+    checks.check_misuse_and_labels(results, GLOO_CASES, ())
     resumed = [{"cases": r["cases"][len(GLOO_CASES):len(GLOO_CASES) + len(RESUME_CASES)]} for r in results]
     checks.check_resumed(resumed, "PartialShardExecutor")
 

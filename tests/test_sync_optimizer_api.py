@@ -53,7 +53,7 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, sched=Non
 # -- construction: one source of defaults (no process group needed: refused before any) ----
 KNOWN = ("strategy, period, warmup_steps, slowmo_momentum, slowmo_lr, buffers, "
          "optimizer_state, bucket_cap_mb, timeout_s, overlap_steps, target_exposed_frac, k_min, "
-         "k_max, max_divergence, check_replicas, cpdp_order, outer_optimizer, outer_lr, outer_momentum")
+         "k_max, max_divergence, check_replicas, cpdp_order, outer_optimizer, outer_lr, outer_momentum, compression")
 
 
 def test_unknown_keyword_is_one_line_naming_it_and_the_fields():
@@ -97,7 +97,7 @@ def test_config_and_keyword_forms_give_equal_config(world1):
         "bucket_cap_mb": 25.0, "timeout_s": 30, "overlap_steps": 0, "target_exposed_frac": 0.05,
         "k_min": 1, "k_max": 8, "max_divergence": None, "check_replicas": False,
         "cpdp_order": "average-then-step", "outer_optimizer": "slowmo", "outer_lr": None,
-        "outer_momentum": None}
+        "outer_momentum": None, "compression": "none"}
     plain = PeriodicSyncOptimizer(torch.optim.SGD(m3.parameters(), lr=0.1), model=m3)
     assert plain.config == SyncConfig()  # the defaults are SyncConfig's
 
@@ -232,12 +232,12 @@ def test_state_dict_is_torch_standard_plus_cpdpkit(world1):
     sd = opt.state_dict()
     assert sorted(sd) == ["cpdpkit", "param_groups", "state"]
     own = sd["cpdpkit"]
-    assert sorted(own) == ["anchor", "config", "counts", "decisions", "in_flight", "layout", "outer",
+    assert sorted(own) == ["anchor", "config", "counts", "decisions", "in_flight", "layout", "outer", "residuals",
                            "schedule", "slow_momentum", "step", "sync_step", "version"]
     assert own["outer"] is None  # SlowMo's state is anchor and slow_momentum
     assert own["in_flight"] is None and own["decisions"] == []
     assert own["schedule"] == {"period": 3, "last_reconcile": 3, "gap": 3}
-    assert own["version"] == 4 and own["step"] == 4 and own["sync_step"] == 3  # averaged after step 2
+    assert own["version"] == 5 and own["step"] == 4 and own["sync_step"] == 3  # averaged after step 2
     assert own["counts"] == {"local_steps": 3, "reconciliations": 1, "gradient_syncs": 1}
     assert own["layout"] == [[32, 8, 16, 2]] and own["config"] == opt.config.to_dict()
     plain = inner.state_dict()
@@ -321,7 +321,7 @@ def test_load_state_dict_refusals(world1):
     with pytest.raises(ConfigError) as info:
         opt.load_state_dict({**sd, "cpdpkit": {**sd["cpdpkit"], "version": 9}})
     assert str(info.value) == (
-        "checkpoint has cpdpkit state version 9, this cpdpkit reads 1 to 4: load it with the "
+        "checkpoint has cpdpkit state version 9, this cpdpkit reads 1 to 5: load it with the "
         "cpdpkit version that saved it")
     assert opt.step_count == 2  # nothing was loaded by a refused call
 

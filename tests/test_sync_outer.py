@@ -61,7 +61,10 @@ def _resume(rank: int, stop: int, **options) -> dict:
     opt.load_state_dict(ckpt["opt"])
     _train(opt, model, rank, range(stop + 1, STEPS + 1))
     return {"straight": straight, "resumed": [p.detach().clone() for p in model.parameters()],
-            "saved_outer": ckpt["opt"]["cpdpkit"]["outer"]}
+            "saved_outer": ckpt["opt"]["cpdpkit"]["outer"],
+            "saved_slow_momentum": ckpt["opt"]["cpdpkit"]["slow_momentum"],
+            "anchor_numel": sum(a.numel() for a in ckpt["opt"]["cpdpkit"]["anchor"]),
+            "slowmo_bytes": opt._flat.slowmo_bytes()}
 
 
 def _job(rank: int, world: int) -> dict:
@@ -73,6 +76,7 @@ def _job(rank: int, world: int) -> dict:
         out[f"{strategy}-diloco"] = _run(rank, strategy=strategy, outer_optimizer="diloco")
     out["resume-diloco"] = _resume(rank, 7, strategy="cpdp", outer_optimizer="diloco")
     out["resume-adam"] = _resume(rank, 7, strategy="slowmo", outer_optimizer="Adam", outer_lr=0.5)
+    out["resume-slowmo"] = _resume(rank, 7, strategy="cpdp", slowmo_momentum=0.5)
     return out
 
 
@@ -147,6 +151,19 @@ def test_outer_state_resumes_bit_identically(results, name):
         saved = res[name]["saved_outer"]
         assert saved is not None and len(saved["state"]) == 1  # one flat fp32 segment
         assert saved["state"][0], "the outer optimizer's state (momentum / moments) was saved"
+
+
+@pytest.mark.parametrize("name", ["resume-diloco", "resume-adam", "resume-slowmo"])
+def test_slow_momentum_exists_only_for_slowmos_outer_step(results, name):
+    for res in results:
+        r = res[name]
+        fp32 = 4 * r["anchor_numel"]
+        if name == "resume-slowmo":  # anchor and slow momentum, saved and resumed (bit-identically)
+            assert r["saved_slow_momentum"] is not None and any(u.abs().max() > 0 for u in r["saved_slow_momentum"])
+            assert r["slowmo_bytes"] == 2 * fp32
+            assert all(torch.equal(a, b) for a, b in zip(r["straight"], r["resumed"], strict=True))
+        else:  # another outer optimizer keeps its own state: no SlowMo buffer allocated, saved or restored
+            assert r["saved_slow_momentum"] is None and r["slowmo_bytes"] == fp32
 
 
 @pytest.mark.parametrize(

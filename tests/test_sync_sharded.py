@@ -12,6 +12,7 @@ import torch
 
 import _sharded_sync_jobs as jobs
 from _ranks import SPAWN_TIMEOUT_S, share_fn
+from cpdpkit.sync._codec import Codec
 
 pytestmark = pytest.mark.timeout(SPAWN_TIMEOUT_S)  # the first test to ask for planner_spawn waits for all of it
 
@@ -58,6 +59,12 @@ def test_only_shards_cross_the_replicate_group_and_slowmo_state_is_shard_sized(r
         stats = r["stats"]  # 6 steps, warm-up 1, K=4: step 1 syncs gradients, step 5 reconciles
         assert (stats.gradient_syncs, stats.reconciliations, stats.local_steps) == (2, 1, 4)
         assert stats.bytes_sent == 3 * r["local_numel"] * 4  # two gradient shards, one parameter shard
+        # int8 over the shards: shard-sized residuals; the reconciliations send int8 codes of the shard
+        assert r["residuals"] == [(r["local_numel"], torch.float32, True)]
+        comp = r["compressed_stats"]
+        code = Codec("int8", r["local_numel"]).nbytes
+        assert comp.reconciliations >= 2
+        assert comp.bytes_sent == comp.gradient_syncs * r["local_numel"] * 4 + comp.reconciliations * code
 
 
 def test_checkpoint_mid_period_with_an_average_in_flight_resumes_bit_identically(ranks: list[dict]) -> None:

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from cpdpkit.bench.periodic.goals import k_over_time_lines, overlap_and_auto_goals, result_topology  # as judged
+from cpdpkit.bench.sharding.goals import goal_lines  # the goals block `cpdpkit bench sharding` prints
 from cpdpkit.cli._bench_plot import plot_accuracy_vs_wall  # the plot `cpdpkit bench --plot` draws
-from cpdpkit.cli._bench_sharding import goal_lines  # the goals block `cpdpkit bench sharding` prints
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -264,9 +264,8 @@ def sharding_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
 
 def sharding_goals(goals: dict[str, Any]) -> list[str]:
     """The goals block exactly as ``cpdpkit bench sharding`` prints it (one line per goal, no colour)."""
-    from rich.text import Text
 
-    return [Text.from_markup(line).plain for line in goal_lines(goals)] if goals else []
+    return goal_lines(goals) if goals else []
 
 
 def render_sharding(report: dict[str, Any], path: Path) -> str:

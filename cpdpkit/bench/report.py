@@ -6,7 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SuiteReport"]
+__all__ = ["SuiteReport", "verdict"]
+
+
+def verdict(ok: bool | None) -> str:
+    """How a goal line ends (the suites' goals.py; the CLI colours it): ``met``, else ``not met``."""
+    return "met" if ok else "not met"
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cpdpkit._outputs import PLOT_SUFFIXES, check_output_dir, write_output
+from cpdpkit.bench.hybrid.goals import goal_lines
 from cpdpkit.cli._app import out_console, prepare_output
-from cpdpkit.cli._bench_sharding import _f, _mark, fill_table, run_and_print
+from cpdpkit.cli._bench_sharding import _f, fill_table, run_and_print
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -87,25 +88,6 @@ def _table(report: HybridReport) -> Table:
     return table
 
 
-def goal_lines(goals: dict[str, Any]) -> list[str]:
-    """The goals block: each of ours against hsdp-global (see cpdpkit.bench.hybrid.suite._goals)."""
-    if not goals:
-        return ["goals: none to judge (hsdp-global or a cpdp-over-* strategy did not run)"]
-    lines = []
-    for name, g in goals.items():
-        lines += [
-            f"{name} vs hsdp-global: step time x{g['step_time_ratio']:.3f} (median over periods; target <= "
-            f"{g['step_time_target']}) {_mark(g['step_time_met'])}",
-            f"{name} vs hsdp-global: training state {g['training_state_bytes']} B/rank = hsdp-global's + "
-            f"{g['training_state_over_hsdp_in_shards']:.2f} x its parameter shard (target <= 2) "
-            f"{_mark(g['training_state_met'])}",
-            f"{name} vs hsdp-global: final loss differs by {g['final_loss_rel_diff'] * 100:.2f} % (target <= "
-            f"{g['final_loss_target'] * 100:.0f} %) {_mark(g['final_loss_met'])}",
-            f"  evidence: mean step time x{g['step_time_mean_ratio']:.3f}, exposed comm "
-            f"x{g['exposed_comm_ratio']:.3f}, WAN bytes x{g['wan_bytes_ratio']:.3f}, "
-            f"peak RSS {g['peak_mem_bytes_diff'] / 1e6:+.1f} MB",
-        ]
-    return lines
 
 
 def plot_loss_curves(report: dict[str, Any], path: Path) -> None:

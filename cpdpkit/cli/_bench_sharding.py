@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cpdpkit._outputs import check_output_dir, write_output
+from cpdpkit.bench.sharding.goals import goal_lines
 from cpdpkit.cli._app import out_console, prepare_output
 
 if TYPE_CHECKING:
@@ -75,7 +76,7 @@ def run_and_print(run: Callable[[Path, Callable[[tuple[Any, ...]], None]], Any],
         if r.get("status") != "ok":
             out_console.print(f"{r['strategy']} {r.get('status', 'failed')}: {r.get('reason')}")
     for line in goal_lines(report.goals):
-        out_console.print(line)
+        out_console.print(colour_marks(line))
     return report
 
 
@@ -140,42 +141,9 @@ def _mark(ok: bool | None) -> str:
     return "[green]met[/green]" if ok else "[red]not met[/red]"
 
 
-def goal_lines(goals: dict[str, Any]) -> list[str]:
-    """The goals block: each goal's measured ratio beside its target (see cpdpkit.bench.sharding.suite._goals)."""
-    if not goals:
-        return ["goals: none to judge (two-stage, partial or hsdp did not run)"]
-    lines = []
-    if "step_time_ratio" in goals:
-        lines += [
-            f"two-stage vs hsdp: step time x{goals['step_time_ratio']:.3f} (target <= 0.85) "
-            f"{_mark(goals['step_time_met'])}",
-            f"two-stage vs hsdp: exposed comm x{goals['exposed_comm_ratio']:.3f} (target <= 0.5) "
-            f"{_mark(goals['exposed_comm_met'])}",
-            *(["  of which by tier (evidence): " + ", ".join(
-                f"{tier} x{ratio:.3f}" for tier, ratio in goals["exposed_comm_ratio_by_tier"].items())]
-              if goals.get("exposed_comm_ratio_by_tier") else []),
-            f"two-stage optimizer state {goals['optimizer_state_bytes']} B/rank (target hsdp / replicas = "
-            f"{goals['optimizer_state_target']:.0f}) {_mark(goals['optimizer_state_met'])}",
-            f"two-stage final loss |diff| {goals['final_loss_abs_diff']:.2e} vs hsdp (target <= 1e-4) "
-            f"{_mark(goals['final_loss_met'])}",
-        ]
-    if vs := goals.get("two_stage_vs_peers"):
-        lines.append(f"two-stage vs fastest peer ({vs['fastest_peer']} of {', '.join(vs['peers'])}): step time "
-                     f"x{vs['step_time_ratio']:.3f} (target <= {vs['step_time_target']}) {_mark(vs['step_time_met'])}")
-        lines += [f"two-stage vs {peer}: exposed comm x{c['ratio']:.3f} (target <= {c['target']}) {_mark(c['met'])}"
-                  for peer, c in vs["exposed_comm"].items() if peer != "hsdp"]
-    lines += [f"{name} final loss |diff| {g['abs_diff']:.2e} vs hsdp (target <= 1e-4) {_mark(g['met'])}"
-              for name, g in (goals.get("final_loss_vs_hsdp") or {}).items()]
-    if p := goals.get("partial"):
-        tiers = ", ".join(f"{t} x{g['ratio']:.3f}" for t, g in p["tier_bytes"].items())
-        lines.append(f"partial bytes/step per link vs one DDP all-reduce ({p['allreduce_wire_bytes']} B/rank): {tiers} "
-                     f"(target <= {p['bytes_target']}) {_mark(p['bytes_met'])}")
-        if "optimizer_state_ratio" in p:
-            lines.append(f"partial optimizer state {p['optimizer_state_bytes']} B/rank = "
-                         f"x{p['optimizer_state_ratio']:.3f} of hsdp / world x ranks per node "
-                         f"({p['optimizer_state_target']:.0f}; target <= 1) "
-                         f"{_mark(p['optimizer_state_met'])}")
-    lines += [f"{name} stage-1 exchanges per step: measured {g['measured']:.2f} vs predicted {g['predicted']} of "
-              f"{g['num_units']} (target |diff| <= 1) {_mark(g['met'])}"
-              for name, g in (goals.get("stage1") or {}).items()]
-    return lines
+def colour_marks(line: str) -> str:
+    """A goal line with its closing verdict coloured (the suites' goal lines end in "met" or "not met")."""
+    for verdict, colour in ((" not met", "red"), (" met", "green")):
+        if line.endswith(verdict):
+            return f"{line[: -len(verdict)]} [{colour}]{verdict.strip()}[/{colour}]"
+    return line

@@ -181,8 +181,8 @@ def bench(
     slowmo_momentum: str | None = typer.Option(None, metavar="FLOAT[,FLOAT...]",
                                                help="SlowMo's β (slowmo, cpdp); a comma-separated list is swept "
                                                     "like --periods.",
-                                               show_default="by replicas: 0 below 8 (measured), 0.5 at 8, "
-                                                            "0.6 at 16+ (fairscale's)"),
+                                               show_default="0 at every replica count (measured at 2, 4, "
+                                                            "8: docs/results.md)"),
     slowmo_lr: str | None = typer.Option(None, metavar="FLOAT", help="SlowMo's α (slowmo, cpdp).",
                                          show_default="1.0"),
     outer_optimizer: str | None = typer.Option(None, help="The outer step of slowmo and cpdp on the pseudo-gradient "

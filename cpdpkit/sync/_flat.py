@@ -137,11 +137,12 @@ class SegmentedParameters:
 
     # -- SlowMo ------------------------------------------------------------------------------------
     @torch.no_grad()
-    def capture_anchor(self) -> None:
-        """x0 <- current parameters; the slow momentum starts (or stays) at zero."""
+    def capture_anchor(self, *, momentum: bool = True) -> None:
+        """x0 <- current parameters; the slow momentum starts (or stays) at zero. ``momentum=False``
+        (another outer optimizer, or ``localsgd``'s controller reference): no slow momentum is allocated."""
         for seg, values in zip(self.segments, self.pack()):
             seg.anchor = values.to(dtype=self.anchor_dtype or seg.dtype, copy=True)
-            if seg.slow_momentum is None:
+            if momentum and seg.slow_momentum is None:
                 seg.slow_momentum = torch.zeros_like(seg.anchor)
 
     @torch.no_grad()
@@ -197,9 +198,10 @@ class SegmentedParameters:
     def slowmo_state(self) -> dict[str, list[torch.Tensor] | None]:
         if self.segments and self.segments[0].anchor is None:
             return {"anchor": None, "slow_momentum": None}
+        moms = [seg.slow_momentum for seg in self.segments]
         return {
             "anchor": [seg.anchor.clone() for seg in self.segments],  # type: ignore[union-attr]
-            "slow_momentum": [seg.slow_momentum.clone() for seg in self.segments],  # type: ignore[union-attr]
+            "slow_momentum": None if any(u is None for u in moms) else [u.clone() for u in moms],  # type: ignore[union-attr]
         }
 
     def slowmo_bytes(self) -> int:
@@ -210,10 +212,12 @@ class SegmentedParameters:
     @torch.no_grad()
     def load_slowmo_state(self, state: dict[str, list[torch.Tensor] | None]) -> None:
         anchors, moms = state.get("anchor"), state.get("slow_momentum")
-        if anchors is None or moms is None:
+        if anchors is None:
             for seg in self.segments:
                 seg.anchor = seg.slow_momentum = None
             return
+        if moms is None:  # saved without a slow momentum (capture_anchor(momentum=False))
+            moms = [None] * len(self.segments)
         if len(anchors) != len(self.segments) or len(moms) != len(self.segments):
             raise ConfigError(
                 f"checkpoint has {len(anchors)} SlowMo segments, this model has "
@@ -221,7 +225,7 @@ class SegmentedParameters:
             )
         for seg, a, u in zip(self.segments, anchors, moms):
             seg.anchor = a.to(device=seg.device, copy=True)
-            seg.slow_momentum = u.to(device=seg.device, copy=True)
+            seg.slow_momentum = None if u is None else u.to(device=seg.device, copy=True)
 
 
 class FlatParameters(SegmentedParameters):

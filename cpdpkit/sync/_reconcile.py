@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from cpdpkit.labels import SYNC
+from cpdpkit.sync._codec import ErrorFeedback
 from cpdpkit.sync._comm import Communicator
 from cpdpkit.sync._flat import SegmentedParameters
 from cpdpkit.sync._outer import OuterStep
@@ -97,6 +98,7 @@ class _InFlight:
     launched: list[torch.Tensor]
     buffers: _BufferExchange
     works: list[dist.Work]
+    gathered: list[torch.Tensor] | None = None  # compressed: every rank's codes, decoded into sent once waited
 
 
 class Reconciler:
@@ -121,6 +123,8 @@ class Reconciler:
         self._ahead = 1 if config.averages_first else 0
         self.sync_step: int | None = None  # average-then-step: the step whose gradients are all-reduced
         self.outer = OuterStep(config, flat)
+        self.feedback = (ErrorFeedback(config.compression, [seg.numel for seg in flat.segments])
+                         if config.compression != "none" else None)
         self.mark(0)
 
     # -- measuring (period="auto") ---------------------------------------------------------
@@ -163,7 +167,10 @@ class Reconciler:
         if cfg.auto:
             measured = self._write_measurement(n, self._flat.stats_slots(values))
         with self._slow.blocking(SYNC.PARAM_AVERAGE):
-            self._slow.average_(values, cfg.bucket_cap_bytes)
+            if self.feedback is None:
+                self._slow.average_(values, cfg.bucket_cap_bytes)
+            else:
+                self._compressed_average_(self._flat.fronts(values))
         if cfg.auto:
             self._decide(n, measured, values)
         averages = self._flat.fronts(values)
@@ -177,13 +184,36 @@ class Reconciler:
         self.schedule.reconciled(n + self._ahead)
         self.sync_step = n + 1
 
+    def _compressed_average_(self, fronts: list[torch.Tensor]) -> None:
+        """``fronts`` (this rank's parameters, per segment) become ``x0 − mean_j decode(code_j)``: each
+        rank's pseudo-gradient ``x0 − x`` plus its residual, encoded, all-gathered as bytes, decoded in
+        rank order (:mod:`cpdpkit.sync._codec`)."""
+        gathered, works = self._launch_codes(fronts)
+        for work in works:
+            self._slow.wait(work)
+        self._decode_mean_(fronts, gathered)
+
+    def _launch_codes(self, fronts: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[dist.Work]]:
+        """Encode ``x0 − x + r`` per segment and launch the all-gathers of every rank's codes."""
+        assert self.feedback is not None
+        anchors = [seg.anchor for seg in self._flat.segments]
+        codes = self.feedback.encode([torch.sub(x0, x.to(x0.dtype)) for x0, x in zip(anchors, fronts)])
+        gathered = [torch.empty(self._slow.size * c.numel(), dtype=torch.uint8) for c in codes]
+        return gathered, [self._slow.all_gather_async(out, c) for out, c in zip(gathered, codes)]
+
+    def _decode_mean_(self, fronts: list[torch.Tensor], gathered: list[torch.Tensor]) -> None:
+        """``fronts`` ← ``x0 − mean_j decode(code_j)`` (the anchor of this reconciliation)."""
+        assert self.feedback is not None
+        for x, seg, mean in zip(fronts, self._flat.segments, self.feedback.mean_of(gathered, self._slow.size)):
+            x.copy_(torch.sub(seg.anchor, mean.to(seg.anchor.dtype)))  # type: ignore[arg-type]
+
     def _outer_update(self, averages: list[torch.Tensor]) -> None:
         """The outer step on ``averages`` (they become x0), or for localsgd-auto the new reference."""
         cfg = self.config
         if cfg.uses_slowmo:
             with record_function(SYNC.SLOWMO_UPDATE.label):  # local arithmetic, not communication
                 self.outer.update(self._optim.param_groups, averages)
-        elif cfg.auto:
+        elif cfg.auto or self.feedback is not None:  # the next compressed payload's reference too
             self._flat.set_anchor(averages)
 
     # -- overlapped ----------------------------------------------------------------------------
@@ -197,10 +227,14 @@ class Reconciler:
         launched = [f.clone() for f in self._flat.fronts(sent)]
         measured = self._write_measurement(n, self._flat.stats_slots(sent)) if cfg.auto else 0
         buffers = _BufferExchange.plan(self._buffers(), cfg.buffers)
+        gathered = None
         with record_function(SYNC.PARAM_AVERAGE_LAUNCH.label):  # the launch only: it runs on
-            works = self._slow.average_async(sent, cfg.bucket_cap_bytes)
+            if self.feedback is None:
+                works = self._slow.average_async(sent, cfg.bucket_cap_bytes)
+            else:
+                gathered, works = self._launch_codes(self._flat.fronts(sent))
             works += buffers.launch(self._world, cfg.bucket_cap_bytes)
-        self.in_flight = _InFlight(n, n + cfg.overlap_steps, measured, sent, launched, buffers, works)
+        self.in_flight = _InFlight(n, n + cfg.overlap_steps, measured, sent, launched, buffers, works, gathered)
         self.schedule.reconciled(n + self._ahead)
 
     def wait(self) -> None:
@@ -212,6 +246,9 @@ class Reconciler:
             for work in flight.works:
                 self._slow.wait(work)
         flight.works = []
+        if flight.gathered is not None:  # compressed: the codes become the average now
+            self._decode_mean_(self._flat.fronts(flight.sent), flight.gathered)
+            flight.gathered = None
 
     @torch.no_grad()
     def apply(self, n: int, *, force: bool = True) -> None:
@@ -250,12 +287,15 @@ class Reconciler:
                 "buffers": [[sent.clone(), launched.clone()] for _, sent, launched, _ in flight.buffers.groups],
             }
         return {"schedule": self.schedule.state_dict(), "sync_step": self.sync_step, "outer": self.outer.state_dict(),
-                "decisions": [d.to_dict() for d in self.decisions], "in_flight": pending}
+                "decisions": [d.to_dict() for d in self.decisions], "in_flight": pending,
+                "residuals": None if self.feedback is None else self.feedback.state()}
 
     def load_state_dict(self, own: dict[str, Any], step: int) -> None:
         self.schedule.load_state_dict(own.get("schedule"), step)
         self.decisions = [PeriodDecision.from_dict(d) for d in own.get("decisions", [])]
         self.outer.load_state_dict(own.get("outer"))
+        if self.feedback is not None:
+            self.feedback.load(own.get("residuals"))
         sync_step = own.get("sync_step")
         self.sync_step = None if sync_step is None else int(sync_step)
         pending = own.get("in_flight")

@@ -29,7 +29,8 @@ __all__ = ["STATE_VERSION", "is_executor", "resolve_config", "validate_objects",
 # 3: "cpdpkit" also holds the schedule, the controller's decisions and a reconciliation in flight;
 # 4: the config holds cpdp_order and "cpdpkit" the next synchronous step ("sync_step"). A cpdp
 # checkpoint of versions 1-3 was written by cpdp's step-then-average order.
-STATE_VERSION = 4
+# 5: "cpdpkit" holds the compression residuals ("residuals", None when uncompressed).
+STATE_VERSION = 5
 _CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(SyncConfig))
 _EXECUTOR_FIX = ("build the executor on one site's sub-mesh: mesh = init_device_mesh(device, (num_sites, R, S), "
                  "mesh_dim_names=('site', 'replicate', 'shard')), TwoStageExecutor(..., mesh=mesh['replicate', "
@@ -180,7 +181,7 @@ def split_checkpoint(state_dict: dict[str, Any], config: SyncConfig, layout: lis
     version = own.get("version")
     if version == 1:  # written before the wrapper used torch's standard layout
         inner_state = state_dict["inner"]
-    elif version in (2, 3, STATE_VERSION):
+    elif version in (2, 3, 4, STATE_VERSION):
         inner_state = {k: v for k, v in state_dict.items() if k != "cpdpkit"}
     else:
         raise ConfigError(
@@ -204,6 +205,12 @@ def split_checkpoint(state_dict: dict[str, Any], config: SyncConfig, layout: lis
             f"checkpoint holds a reconciliation in flight (saved with overlap_steps="
             f"{saved.overlap_steps}), this optimizer reconciles blocking: construct it with "
             f"overlap_steps={saved.overlap_steps}"
+        )
+    saved_compression = own["config"].get("compression", "none")  # versions 1-4: uncompressed
+    if saved_compression != config.compression and own.get("residuals") is not None:
+        raise ConfigError(
+            f"checkpoint holds compression={saved_compression!r} residuals, this optimizer uses "
+            f"compression={config.compression!r}: construct it with compression={saved_compression!r} to resume it"
         )
     if own["layout"] != layout:
         raise ConfigError(

@@ -49,6 +49,7 @@ from typing import Any
 
 from cpdpkit._values import is_int, refuse_nonfinite
 from cpdpkit.errors import ConfigError
+from cpdpkit.sync._codec import parse_compression
 
 __all__ = [
     "STRATEGIES",
@@ -122,6 +123,10 @@ class SyncConfig:
     ``"diloco"`` (Nesterov SGD, lr 0.7, momentum 0.9) or a ``torch.optim`` class name, with
     ``outer_lr`` and ``outer_momentum`` (None: the named one's, or lr 1.0 and the class's default).
 
+    ``compression`` (``"none"``, ``"bf16"``, ``"int8"``, ``"topk:F"``) encodes each reconciliation's
+    pseudo-gradient ``anchor − parameters`` with error feedback and exchanges the codes in one all-gather
+    (:mod:`cpdpkit.sync._codec`), blocking or overlapped; a fixed period only, not ``ddp``.
+
     ``check_replicas`` verifies with one checksum all-reduce that every replica holds identical
     parameters: after each reconciliation (with ``overlap_steps``: the reconciled value when it is
     applied, since the applied parameters keep each rank's local progress), and for ``ddp``, whose
@@ -151,6 +156,7 @@ class SyncConfig:
     outer_optimizer: str = "slowmo"
     outer_lr: float | None = None
     outer_momentum: float | None = None
+    compression: str = "none"
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -177,6 +183,7 @@ class SyncConfig:
             )
         self._check_overlap_and_auto()
         self._check_outer()
+        self._check_compression()
         if not is_int(self.warmup_steps) or self.warmup_steps < 0:
             raise ConfigError(
                 f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}: "
@@ -228,6 +235,18 @@ class SyncConfig:
         if self.outer_momentum is not None and not 0.0 <= float(self.outer_momentum) < 1.0:
             raise ConfigError(f"outer_momentum must be in [0, 1) or None, got {self.outer_momentum!r}: "
                               "DiLoCo's is 0.9")
+
+    def _check_compression(self) -> None:
+        parse_compression(self.compression)
+        if self.compression == "none":
+            return
+        if self.strategy == "ddp":
+            raise ConfigError(f"compression={self.compression!r} with strategy 'ddp': ddp all-reduces fp32 "
+                              "gradients and has no reconciliation to compress; use strategy 'localsgd', "
+                              "'slowmo' or 'cpdp', or compression='none'")
+        if self.auto:
+            raise ConfigError(f"compression={self.compression!r} with period='auto': the controller's numbers "
+                              "ride in an uncompressed average; pass a fixed period or compression='none'")
 
     def _check_overlap_and_auto(self) -> None:
         if not is_int(self.overlap_steps) or self.overlap_steps < 0:
@@ -352,4 +371,5 @@ class SyncConfig:
             ("outer_lr (x 1e9, 0: default)", round(float(self.outer_lr or 0.0) * 1e9), None),
             ("outer_momentum (x 1e9, -1: default)",
              -1 if self.outer_momentum is None else round(float(self.outer_momentum) * 1e9), None),
+            ("compression (crc32)", zlib.crc32(self.compression.encode()), None),
         ]

@@ -222,7 +222,7 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
             if self._buffers():
                 sync_buffers(self._comm, self._buffers(), "broadcast", self.config.bucket_cap_bytes)
         if self._keeps_anchor:
-            self._flat.capture_anchor()
+            self._flat.capture_anchor(momentum=self._slow_momentum)
         for comm in self._communicators():
             comm.reset_counters()  # stats count from the first step, not construction
         if self._executor is not None:
@@ -247,7 +247,12 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
     @property
     def _keeps_anchor(self) -> bool:
         # SlowMo's anchor; for localsgd with period="auto" the controller's reference
-        return self.config.uses_slowmo or self.config.auto
+        return self.config.uses_slowmo or self.config.auto or self.config.compression != "none"
+
+    @property
+    def _slow_momentum(self) -> bool:
+        # SlowMo's momentum buffer: only for SlowMo's own outer step (another outer optimizer keeps its own state)
+        return self.config.uses_slowmo and self.config.outer_optimizer == "slowmo"
 
     def _buffers(self) -> list[torch.Tensor]:
         # Listed anew each time: a module may re-assign a buffer rather than update it in place.
@@ -393,7 +398,7 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
                 self._reconciler.apply(n, force=False)  # an overlapped average due at this step
         if self._keeps_anchor and n == self.config.warmup_steps:
             # The periodic phase starts here: SlowMo's anchor is the post-warm-up parameters.
-            self._flat.capture_anchor()
+            self._flat.capture_anchor(momentum=self._slow_momentum)
             self._reconciler.mark(n)
         if n == self.config.warmup_steps > 0:
             self._begin_periodic_phase()
@@ -548,7 +553,7 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         self._flat.ensure_bound()
         self._flat.load_slowmo_state(own)
         if self._keeps_anchor and own.get("anchor") is None:
-            self._flat.capture_anchor()
+            self._flat.capture_anchor(momentum=self._slow_momentum)
         self._step = int(own["step"])
         self._counts.update(own.get("counts", {}))
         self._reconciler.load_state_dict(own, self._step)

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cpdpkit.bench.data.dataset import CIFAR_MEAN, CIFAR_STD, Dataset
+from cpdpkit.bench.data.dataset import CIFAR_MEAN, CIFAR_STD, Dataset, check_dataset_packages
 from cpdpkit.bench.data.image_folders import load_tiny_imagenet
 from cpdpkit.bench.data.mnist1d import load_mnist1d
 from cpdpkit.bench.data.text import load_stdlib_text
@@ -42,6 +42,7 @@ def _split(name: str, x: torch.Tensor, y: torch.Tensor, num_classes: int) -> Dat
 
 
 def _digits() -> Dataset:
+    check_dataset_packages("digits")
     from sklearn.datasets import load_digits
 
     data = load_digits()

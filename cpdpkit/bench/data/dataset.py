@@ -6,12 +6,30 @@ them, all import it and not each other.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-__all__ = ["CIFAR_MEAN", "CIFAR_STD", "Dataset"]
+from cpdpkit.errors import ConfigError
+
+__all__ = ["CIFAR_MEAN", "CIFAR_STD", "Dataset", "DATASET_PACKAGES", "check_dataset_packages"]
+
+# the data sets that need a package beyond the core dependencies: (module, package, cpdpkit extra)
+DATASET_PACKAGES = {"digits": ("sklearn", "scikit-learn", "data"), "tinyimagenet": ("PIL", "pillow", "data"),
+                    "mnist1d": ("mnist1d", "mnist1d", "mnist1d")}
+
+
+def check_dataset_packages(dataset: str) -> None:
+    """A ConfigError naming the extra to install when ``dataset`` needs a package that is missing (one line,
+    before any rank starts; the loaders call it too)."""
+    if dataset not in DATASET_PACKAGES:
+        return
+    module, package, extra = DATASET_PACKAGES[dataset]
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError(f"--dataset {dataset} needs the {package} package, which is not installed: pip install "
+                          f"'cpdpkit[{extra}]' (make setup installs it)")
 
 # per-channel statistics of CIFAR-100's training images (normalisation; augmentation pads with the mean)
 CIFAR_MEAN = np.array([0.5071, 0.4865, 0.4409], dtype=np.float32)

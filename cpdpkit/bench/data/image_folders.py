@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from cpdpkit._text_file import read_text_file
-from cpdpkit.bench.data.dataset import Dataset
+from cpdpkit.bench.data.dataset import Dataset, check_dataset_packages
 from cpdpkit.errors import ConfigError
 
 __all__ = ["IMAGE_SIDE", "LAYOUTS", "TINY_IMAGENET_MEAN", "TINY_IMAGENET_STD", "find_tiny_imagenet",
@@ -122,11 +122,8 @@ def _balanced_first(files: list[tuple[Path, int]], limit: int) -> list[tuple[Pat
 
 
 def _decode(files: list[tuple[Path, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    try:
-        from PIL import Image, UnidentifiedImageError
-    except ImportError:
-        raise ConfigError("--dataset tinyimagenet decodes images with Pillow, which is not installed: "
-                          "pip install pillow") from None
+    from PIL import Image, UnidentifiedImageError  # checked by load_tiny_imagenet
+
     pixels = np.empty((len(files), IMAGE_SIDE, IMAGE_SIDE, 3), dtype=np.uint8)
     for i, (path, _) in enumerate(files):
         try:
@@ -151,6 +148,7 @@ def _decode(files: list[tuple[Path, int]]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def load_tiny_imagenet(data_dir: str | Path | None, *, quick: bool = False) -> Dataset:
     """TinyImageNet (or an ImageFolder) under ``data_dir`` as a :class:`~cpdpkit.bench.data.Dataset`."""
+    check_dataset_packages("tinyimagenet")  # pillow decodes the images: the extra to install, before any reading
     layout, folder = find_tiny_imagenet(data_dir)
     classes, train = _train_files(folder)
     val = _val_files(folder, layout, classes)

@@ -17,14 +17,13 @@ sequence by a random offset in ``[-MAX_SHIFT, MAX_SHIFT]``, filling with zeros (
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from cpdpkit.bench.data.dataset import Dataset
+from cpdpkit.bench.data.dataset import Dataset, check_dataset_packages
 from cpdpkit.errors import ConfigError
 
 __all__ = ["MAX_SHIFT", "MNIST1D_SIZES", "SEQUENCE_LENGTH", "check_mnist1d", "load_mnist1d", "random_shift"]
@@ -38,9 +37,7 @@ _MAX_CACHE_BYTES = 64 * 1024 * 1024  # a cache holds (train + test) x 40 float32
 
 def check_mnist1d() -> None:
     """A ConfigError naming the fix when the ``mnist1d`` package is not installed (before any rank starts)."""
-    if importlib.util.find_spec("mnist1d") is None:
-        raise ConfigError("--dataset mnist1d needs the mnist1d package, which is not installed: pip install "
-                          "'cpdpkit[mnist1d]' (make setup installs it)")
+    check_dataset_packages("mnist1d")
 
 
 def _generate(num_train: int, num_test: int) -> tuple[np.ndarray, ...]:
@@ -86,12 +83,9 @@ def load_mnist1d(data_dir: str | Path | None, *, quick: bool = False) -> Dataset
 
 def random_shift(x: torch.Tensor, generator: torch.Generator, *, max_shift: int = MAX_SHIFT) -> torch.Tensor:
     """Each (1, L) sequence of the batch ``x`` (N, 1, L) translated by a random offset, zero-filled (a new tensor)."""
-    n, _, length = x.shape
-    offsets = torch.randint(-max_shift, max_shift + 1, (n,), generator=generator).tolist()
-    out = torch.zeros_like(x)
-    for i, d in enumerate(offsets):
-        if d >= 0:
-            out[i, :, d:] = x[i, :, : length - d]
-        else:
-            out[i, :, : length + d] = x[i, :, -d:]
-    return out
+    n, channels, length = x.shape
+    offsets = torch.randint(-max_shift, max_shift + 1, (n,), generator=generator)
+    src = torch.arange(length).view(1, length) - offsets.view(n, 1)  # out[i, :, j] = x[i, :, j - d_i]
+    valid = ((src >= 0) & (src < length)).view(n, 1, length)
+    index = src.clamp(0, length - 1).view(n, 1, length).expand(n, channels, length)
+    return torch.where(valid, torch.gather(x, 2, index), torch.zeros((), dtype=x.dtype))

@@ -73,6 +73,7 @@ from pathlib import Path
 from typing import Any
 
 from cpdpkit._values import refuse_nonfinite
+from cpdpkit.bench.hybrid.goals import LOSS_REL_TARGET, MEMORY_SHARDS, STEP_TARGET
 from cpdpkit.bench.report import SuiteReport
 from cpdpkit.errors import ConfigError
 from cpdpkit.topology import Topology, resolve_topology
@@ -82,8 +83,6 @@ __all__ = ["HYBRID_STRATEGIES", "OURS", "HybridBenchConfig", "HybridReport", "me
 
 HYBRID_STRATEGIES = ("ddp-global", "hsdp-global", "cpdp-over-hsdp", "cpdp-over-hsdp-overlap", "cpdp-over-two-stage")
 OURS = ("cpdp-over-hsdp", "cpdp-over-hsdp-overlap", "cpdp-over-two-stage")
-_STEP_TARGET, _LOSS_REL_TARGET = 0.5, 0.02
-_MEMORY_SHARDS = 2  # SlowMo's anchor and slow momentum: one fp32 copy of the parameter shard each
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -231,17 +230,17 @@ def median_period_step_s(step_s_by_rank: list[list[float]], period: int) -> floa
 def _versus_hsdp(ours: dict[str, Any], hsdp: dict[str, Any]) -> dict[str, Any]:
     step_ratio = _ratio(ours["step_s_median"], hsdp["step_s_median"])
     shard = hsdp["param_shard_bytes_per_rank"]
-    memory_target = hsdp["training_state_bytes_per_rank"] + _MEMORY_SHARDS * shard
+    memory_target = hsdp["training_state_bytes_per_rank"] + MEMORY_SHARDS * shard
     memory = ours["training_state_bytes_per_rank"]
     loss_rel = _ratio(abs(ours["final_loss"] - hsdp["final_loss"]), hsdp["final_loss"])
     wan = (ours["tier_bytes_per_step"].get("WAN", 0), hsdp["tier_bytes_per_step"].get("WAN", 0))
     return {
-        "step_time_ratio": step_ratio, "step_time_target": _STEP_TARGET, "step_time_met": step_ratio <= _STEP_TARGET,
+        "step_time_ratio": step_ratio, "step_time_target": STEP_TARGET, "step_time_met": step_ratio <= STEP_TARGET,
         "training_state_bytes": memory, "training_state_target": memory_target,
         "training_state_over_hsdp_in_shards": _ratio(memory - hsdp["training_state_bytes_per_rank"], shard),
         "training_state_met": memory <= memory_target,
-        "final_loss_rel_diff": loss_rel, "final_loss_target": _LOSS_REL_TARGET,
-        "final_loss_met": loss_rel <= _LOSS_REL_TARGET,
+        "final_loss_rel_diff": loss_rel, "final_loss_target": LOSS_REL_TARGET,
+        "final_loss_met": loss_rel <= LOSS_REL_TARGET,
         # evidence, not goals
         "step_time_mean_ratio": _ratio(ours["step_s"], hsdp["step_s"]),
         "exposed_comm_ratio": _ratio(ours["exposed_comm_s_per_step"], hsdp["exposed_comm_s_per_step"]),

@@ -6,23 +6,24 @@ Everything is validated here, before any process starts: a bad option costs noth
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from cpdpkit._values import is_int, refuse_nonfinite
 from cpdpkit.bench.data import DATASETS, find_cifar100
 from cpdpkit.bench.data.augment import IMAGE_DATASETS
+from cpdpkit.bench.data.dataset import check_dataset_packages
 from cpdpkit.bench.data.image_folders import find_tiny_imagenet
 from cpdpkit.bench.data.mnist1d import check_mnist1d
 from cpdpkit.bench.data.text import check_corpus
 from cpdpkit.bench.models import check_model_available
 from cpdpkit.bench.periodic.faults import CHECKPOINT_EVERY, parse_fault
 from cpdpkit.errors import ConfigError
-from cpdpkit.sync.config import OUTER_OPTIMIZERS, STATE_POLICIES, is_torch_optimizer_name
+from cpdpkit.sync.config import OUTER_OPTIMIZERS, STATE_POLICIES, SyncConfig, is_torch_optimizer_name
 from cpdpkit.topology import PRESETS
 
-__all__ = ["BENCH_STRATEGIES", "DEFAULT_STRATEGIES", "LR_SCHEDULES", "OUTER_STEP", "PERIODIC", "BenchConfig", "RunSpec",
-           "slowmo_beta_for"]
+__all__ = ["BENCH_STRATEGIES", "DEFAULT_STRATEGIES", "LR_SCHEDULES", "OUTER_STEP", "PERIODIC", "SYNC_KEYS",
+           "BenchConfig", "RunSpec", "slowmo_beta_for"]
 
 # every strategy the bench knows; the default runs all but slowmo-overlap and cpdp-step-then-average
 # (cpdp with cpdp_order="step-then-average": the synchronous step, then the average)
@@ -35,10 +36,12 @@ PERIODIC = ("localsgd-torch", "localsgd", "slowmo", "cpdp", "cpdp-overlap", "slo
 LR_SCHEDULES = ("constant", "cosine", "step")  # built by cpdpkit.bench.periodic.strategies.build_lr_scheduler
 # the strategies with an outer step: swept over --slowmo-momentum and --outer-lr
 OUTER_STEP = ("slowmo", "cpdp", "cpdp-overlap", "cpdp-auto", "slowmo-overlap", "cpdp-step-then-average")
-# β by replicas. fairscale's SlowMo table (by nodes, at K=48) says 0 below 4, 0.2 at 4, 0.5 at 8, 0.6 at 16+;
-# measured here at K=4, 4 replicas on mnist1d (docs/results.md, "β x K"): β=0 beat 0.2 (1 seed) and 0.5
-# (3 seeds; issue 23 saw the same at 2 replicas), so 0 below 8; 8 and 16 are fairscale's, not measured here
-_SLOWMO_BETAS = ((16, 0.6), (8, 0.5), (1, 0.0))
+# β by replicas, as measured (docs/results.md, "Issue 23, 2026-12-03": β x K at 2 and 8 replicas on stdlib-text,
+# at 2, 4 and 8 on mnist1d): with inner momentum 0.9 kept across reconciliations and K <= 8, β = 0 is the best
+# or within a seed's noise of it at every point, and 0.5 loses 0.7-3.5 pp (stdlib-text) or collapses (mnist1d,
+# 4 and 8 replicas). So 0 at every count; fairscale's table (0.5 at 8 nodes, 0.6 at 16+, at K=48) did not
+# hold at 8 here, and 16+ replicas were not measured. A row (least replicas, β) per measured regime.
+_SLOWMO_BETAS = ((1, 0.0),)
 
 
 def slowmo_beta_for(replicas: int) -> float:
@@ -49,9 +52,19 @@ def slowmo_beta_for(replicas: int) -> float:
 # The most runs one bench command may hold (each a launched job): a bound, checked before any is built.
 MAX_RUNS = 10_000
 
+# The SyncConfig fields a run's spec carries (as these top-level keys of spec.json and of each result's
+# "spec", docs/json.md); the strategy, period, τ and cpdp_order follow from the bench strategy's name.
+SYNC_KEYS = ("slowmo_momentum", "slowmo_lr", "warmup_steps", "optimizer_state", "target_exposed_frac", "k_min",
+             "k_max", "max_divergence", "outer_optimizer", "outer_lr")
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunSpec:
-    """One strategy at one period and one seed: what a launched rank trains."""
+    """One strategy at one period and one seed: what a launched rank trains.
+
+    ``sync`` is :attr:`BenchConfig.sync` at this run's swept point (β, outer lr), passed to the rank as it
+    is; :func:`cpdpkit.bench.periodic.strategies.run_sync_config` sets the strategy's own part.
+    """
 
     strategy: str
     period: int | None
@@ -63,27 +76,18 @@ class RunSpec:
     batch_size: int
     lr: float
     momentum: float
-    slowmo_momentum: float
     quick: bool
+    sync: SyncConfig = field(default_factory=SyncConfig)
     profile_dir: str | None = None
     # BenchConfig always passes these; the defaults keep older spec.json files readable
-    slowmo_lr: float = 1.0
-    warmup_steps: int = 0
-    optimizer_state: str = "keep"
     lr_schedule: str = "constant"
     augment: bool = False
     max_images: int | None = None
-    overlap_steps: int = 3
-    target_exposed_frac: float = 0.05
-    k_min: int = 1
-    k_max: int = 8
-    max_divergence: float | None = None
+    overlap_steps: int = 3  # τ of the -overlap strategies (the others reconcile blocking)
     topology: str | None = None  # None: the config's --topology (spec.json files from before --topologies)
     fault: str | None = None  # --inject-fault (cpdpkit.bench.periodic.faults); None: no fault
     checkpoint_every: int | None = None  # checkpoint into RUN_DIR/ckpt every N steps (None: no checkpoints)
     variant: str | None = None  # the point of a swept --slowmo-momentum / --outer-lr ("β=0.2"); None: no sweep
-    outer_optimizer: str = "slowmo"  # the outer step of slowmo and cpdp (cpdpkit.sync._outer)
-    outer_lr: float | None = None
 
     @property
     def label(self) -> str:
@@ -91,11 +95,15 @@ class RunSpec:
         return base if self.variant is None else f"{base} {self.variant}"
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The spec as JSON: ``sync``'s :data:`SYNC_KEYS` at the top level, as before it was one object."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "sync"}
+        return {**out, **{key: getattr(self.sync, key) for key in SYNC_KEYS}}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunSpec:
-        return cls(**data)
+        """From :meth:`to_dict` (a key missing, as in older spec.json files: SyncConfig's default)."""
+        rest = {k: v for k, v in data.items() if k not in SYNC_KEYS}
+        return cls(**rest, sync=SyncConfig(**{k: data[k] for k in SYNC_KEYS if k in data}))
 
 
 def _positive(name: str, value: Any, fix: str) -> None:
@@ -139,6 +147,9 @@ class BenchConfig:
     max_divergence: float | None = None  # cpdp-auto: cap on the ranks' parameter divergence (None: no cap)
     topologies: tuple[str, ...] | None = None  # run the whole comparison once per preset (else: topology)
     inject_fault: str | None = None  # kill:rank=R:step=S: each run killed once, restarted, compared (bench.faults)
+    # The options above that PeriodicSyncOptimizer takes, validated (at the first β and outer lr): each run's
+    # spec holds it at its own swept point and the rank passes it on (not an argument: built from the options)
+    sync: SyncConfig = field(init=False, repr=False, compare=False, default_factory=SyncConfig)
 
     def __post_init__(self) -> None:
         refuse_nonfinite(self, ConfigError, options=True)
@@ -156,6 +167,7 @@ class BenchConfig:
             raise ConfigError("--periods is empty: give at least one K, e.g. --periods 4")
         if self.dataset not in DATASETS:
             raise ConfigError(f"unknown dataset {self.dataset!r}: choose one of {', '.join(DATASETS)}")
+        check_dataset_packages(self.dataset)  # scikit-learn, pillow, mnist1d: the extra to install, in one line
         if self.dataset == "cifar100":
             if self.data_dir is None:
                 raise ConfigError("--dataset cifar100 needs --data-dir: the folder holding cifar-100-python/")
@@ -186,6 +198,10 @@ class BenchConfig:
         if self.inject_fault is not None:
             parse_fault(self.inject_fault, world_size=self.world_size if is_int(self.world_size) else None)
         self._check_run_count()
+        # SyncConfig's options by their own names (SYNC_KEYS), the swept two at their first point
+        options = {key: getattr(self, key) for key in SYNC_KEYS}
+        object.__setattr__(self, "sync", SyncConfig(**{**options, "slowmo_momentum": self.betas[0],
+                                                        "outer_lr": self.outer_lrs[0]}))
 
     def _check_run_count(self) -> None:
         """Refuse more than :data:`MAX_RUNS` runs before :meth:`runs` builds them (each run is a launched job of
@@ -321,18 +337,15 @@ class BenchConfig:
         return RunSpec(strategy=strategy, period=period, seed=seed, model=self.model,
                        dataset=self.dataset, data_dir=self.data_dir,
                        epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
-                       momentum=self.momentum, slowmo_momentum=beta, variant=self._variant(strategy, beta, outer_lr),
-                       quick=self.quick, profile_dir=profile_dir, slowmo_lr=self.slowmo_lr,
-                       warmup_steps=self.warmup_steps, optimizer_state=self.optimizer_state,
-                       lr_schedule=self.lr_schedule, augment=self.augment, max_images=self.max_images,
-                       overlap_steps=self.overlap_steps, target_exposed_frac=self.target_exposed_frac,
-                       k_min=self.k_min, k_max=self.k_max, max_divergence=self.max_divergence,
-                       topology=topology, fault=self.inject_fault, outer_optimizer=self.outer_optimizer,
-                       outer_lr=outer_lr,
+                       momentum=self.momentum, variant=self._variant(strategy, beta, outer_lr),
+                       sync=dataclasses.replace(self.sync, slowmo_momentum=beta, outer_lr=outer_lr),
+                       quick=self.quick, profile_dir=profile_dir, lr_schedule=self.lr_schedule, augment=self.augment,
+                       max_images=self.max_images, overlap_steps=self.overlap_steps, topology=topology,
+                       fault=self.inject_fault,
                        checkpoint_every=CHECKPOINT_EVERY if self.inject_fault is not None else None)
 
     def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "sync"}
         out["strategies"], out["periods"] = list(self.strategies), list(self.periods)
         out["slowmo_momentum"] = list(self.betas) if len(self.betas) > 1 else self.betas[0]
         out["outer_lr"] = list(self.outer_lrs) if len(self.outer_lrs) > 1 else self.outer_lrs[0]

@@ -37,6 +37,7 @@ from torch import nn
 
 from cpdpkit.bench.periodic.config import LR_SCHEDULES
 from cpdpkit.sync import PeriodicSyncOptimizer
+from cpdpkit.sync.config import SyncConfig
 
 __all__ = ["Meter", "StrategyRunner", "build_lr_scheduler", "build_strategy", "period_history", "sync_options"]
 
@@ -101,23 +102,11 @@ class StrategyRunner:
         return None
 
 
-def sync_options(strategy: str, period: int | None, *, overlap_steps: int, target_exposed_frac: float,
-                 k_min: int, k_max: int, max_divergence: float | None, outer_optimizer: str = "slowmo",
-                 outer_lr: float | None = None) -> dict[str, Any]:
-    """The :class:`PeriodicSyncOptimizer` keyword options of one of our bench strategies (the outer
-    optimizer only for those with an outer step: slowmo and cpdp)."""
-    options = _period_options(strategy, period, overlap_steps=overlap_steps, target_exposed_frac=target_exposed_frac,
-                              k_min=k_min, k_max=k_max, max_divergence=max_divergence)
-    if outer_optimizer != "slowmo" and options["strategy"] in ("slowmo", "cpdp"):
-        options.update(outer_optimizer=outer_optimizer, outer_lr=outer_lr)
-    return options
-
-
-def _period_options(strategy: str, period: int | None, *, overlap_steps: int, target_exposed_frac: float,
-                    k_min: int, k_max: int, max_divergence: float | None) -> dict[str, Any]:
+def sync_options(strategy: str, period: int | None, *, overlap_steps: int) -> dict[str, Any]:
+    """What the name of one of our bench strategies sets in its :class:`SyncConfig`: the strategy, the
+    period (``"auto"`` for cpdp-auto), τ (the -overlap ones) and cpdp's order."""
     if strategy == "cpdp-auto":
-        return {"strategy": "cpdp", "period": "auto", "target_exposed_frac": target_exposed_frac,
-                "k_min": k_min, "k_max": k_max, "max_divergence": max_divergence}
+        return {"strategy": "cpdp", "period": "auto"}
     if period is None:
         raise ValueError(f"bench strategy {strategy!r} needs a period K")
     if strategy in ("slowmo-overlap", "cpdp-overlap"):
@@ -125,6 +114,15 @@ def _period_options(strategy: str, period: int | None, *, overlap_steps: int, ta
     if strategy == "cpdp-step-then-average":
         return {"strategy": "cpdp", "period": period, "cpdp_order": "step-then-average"}
     return {"strategy": strategy, "period": period}
+
+
+def run_sync_config(strategy: str, period: int | None, sync: SyncConfig, *, overlap_steps: int) -> SyncConfig:
+    """``sync`` (the run's :attr:`RunSpec.sync`) with ``strategy``'s own part (:func:`sync_options`); a strategy
+    without an outer step (localsgd) takes none (the outer optimizer is slowmo's, unused)."""
+    options = sync_options(strategy, period, overlap_steps=overlap_steps)
+    if options["strategy"] not in ("slowmo", "cpdp"):
+        options.update(outer_optimizer="slowmo", outer_lr=None, outer_momentum=None)
+    return dataclasses.replace(sync, **options)
 
 
 def period_history(stats: dict[str, Any], initial_period: int | None) -> tuple[list[dict[str, Any]], float | None]:
@@ -211,16 +209,15 @@ class _TorchDDP(StrategyRunner):
         self._done.clear()
 
 
-def build_strategy(strategy: str, period: int | None, module: nn.Module, *, lr: float,
-                   momentum: float, slowmo_momentum: float, slowmo_lr: float, warmup_steps: int,
-                   optimizer_state: str, lr_schedule: str, total_steps: int,
-                   sync: dict[str, Any]) -> StrategyRunner:
+def build_strategy(strategy: str, period: int | None, module: nn.Module, *, lr: float, momentum: float,
+                   lr_schedule: str, total_steps: int, sync: SyncConfig, overlap_steps: int) -> StrategyRunner:
     """The runner for ``strategy`` (one of :data:`cpdpkit.bench.periodic.config.BENCH_STRATEGIES`).
 
-    ``slowmo_lr``, ``warmup_steps``, ``optimizer_state`` and ``sync`` (the overlap and auto-K options,
-    :func:`sync_options`' keywords but the strategy and period) go to :class:`PeriodicSyncOptimizer`
-    only; ``lr_schedule`` over ``total_steps`` applies to every strategy. No defaults here: they
-    live in :class:`~cpdpkit.bench.periodic.config.BenchConfig` (one source).
+    ``sync`` (the run's :attr:`~cpdpkit.bench.periodic.config.RunSpec.sync`) goes to
+    :class:`PeriodicSyncOptimizer` with the strategy's own part set (:func:`run_sync_config`; τ =
+    ``overlap_steps`` for the -overlap ones); the peers (ddp, localsgd-torch) ignore it. ``lr_schedule``
+    over ``total_steps`` applies to every strategy. No defaults here: they live in
+    :class:`~cpdpkit.bench.periodic.config.BenchConfig` (one source).
     """
     def sgd(params: Any) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=lr, momentum=momentum)
@@ -239,9 +236,7 @@ def build_strategy(strategy: str, period: int | None, module: nn.Module, *, lr: 
         runner = _TorchLocalSGD(module, scheduled, period)
     else:
         opt = PeriodicSyncOptimizer(sgd(module.parameters()), model=module,
-                                    **sync_options(strategy, period, **sync), slowmo_momentum=slowmo_momentum,
-                                    slowmo_lr=slowmo_lr, warmup_steps=warmup_steps,
-                                    optimizer_state=optimizer_state)
+                                    config=run_sync_config(strategy, period, sync, overlap_steps=overlap_steps))
         runner = _Ours(module, opt, period)
         scheduled = opt
     runner.scheduler = build_lr_scheduler(scheduled, lr_schedule, total_steps)

@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 from cpdpkit._values import refuse_nonfinite
 from cpdpkit.bench.models.gpt import gpt_preset
 from cpdpkit.bench.report import SuiteReport
+from cpdpkit.bench.sharding.goals import BYTES_TARGET, HSDP_COMM_TARGET, LOSS_TARGET, STAGE1_TARGET, STEP_TARGET
 from cpdpkit.errors import ConfigError
 from cpdpkit.topology import Topology, resolve_topology
 
@@ -209,7 +210,6 @@ def unsupported_reason(strategy: str, config: ShardingBenchConfig) -> str | None
 ShardingReport = SuiteReport  # {"config", "results", "goals"}: docs/json.md
 
 
-_STEP_TARGET, _HSDP_COMM_TARGET, _LOSS_TARGET, _BYTES_TARGET, _STAGE1_TARGET = 0.85, 0.5, 1e-4, 1.01, 1.0
 
 
 def _ratio(a: float, b: float) -> float:
@@ -222,13 +222,13 @@ def _two_stage_vs_hsdp(two: dict[str, Any], hsdp: dict[str, Any], num_replicas: 
     state_target = hsdp["optimizer_state_bytes_per_rank"] / num_replicas
     loss_diff = abs(two["final_loss"] - hsdp["final_loss"])
     return {
-        "step_time_ratio": step_ratio, "step_time_target": _STEP_TARGET, "step_time_met": step_ratio <= _STEP_TARGET,
-        "exposed_comm_ratio": comm_ratio, "exposed_comm_target": _HSDP_COMM_TARGET,
-        "exposed_comm_met": comm_ratio <= _HSDP_COMM_TARGET,
+        "step_time_ratio": step_ratio, "step_time_target": STEP_TARGET, "step_time_met": step_ratio <= STEP_TARGET,
+        "exposed_comm_ratio": comm_ratio, "exposed_comm_target": HSDP_COMM_TARGET,
+        "exposed_comm_met": comm_ratio <= HSDP_COMM_TARGET,
         "optimizer_state_bytes": two["optimizer_state_bytes_per_rank"], "optimizer_state_target": state_target,
         "optimizer_state_met": two["optimizer_state_bytes_per_rank"] == state_target,
-        "final_loss_abs_diff": loss_diff, "final_loss_target": _LOSS_TARGET,
-        "final_loss_met": loss_diff <= _LOSS_TARGET,
+        "final_loss_abs_diff": loss_diff, "final_loss_target": LOSS_TARGET,
+        "final_loss_met": loss_diff <= LOSS_TARGET,
         # evidence, not a goal: the exposed time on each tier (the exchanges ride the slow one)
         "exposed_comm_ratio_by_tier": {
             tier: _ratio(two.get("exposed_comm_s_per_step_by_tier", {}).get(tier, 0.0), seconds)
@@ -246,20 +246,20 @@ def _two_stage_vs_peers(two: dict[str, Any], by: dict[str, dict[str, Any]]) -> d
     comm = {}
     for peer in (p for p in ("hsdp", "zero1", "zero1-overlap") if p in by):
         ratio = _ratio(two["exposed_comm_s_per_step"], by[peer]["exposed_comm_s_per_step"])
-        target = _HSDP_COMM_TARGET if peer == "hsdp" else 1.0
+        target = HSDP_COMM_TARGET if peer == "hsdp" else 1.0
         comm[peer] = {"ratio": ratio, "target": target, "met": ratio <= target}
-    return {"peers": peers, "fastest_peer": fastest, "step_time_ratio": step_ratio, "step_time_target": _STEP_TARGET,
-            "step_time_met": step_ratio <= _STEP_TARGET, "exposed_comm": comm,
+    return {"peers": peers, "fastest_peer": fastest, "step_time_ratio": step_ratio, "step_time_target": STEP_TARGET,
+            "step_time_met": step_ratio <= STEP_TARGET, "exposed_comm": comm,
             "exposed_comm_met": all(c["met"] for c in comm.values()) if comm else None}
 
 
 def _partial_goals(partial: dict[str, Any], hsdp: dict[str, Any] | None, *, allreduce_wire_bytes: int,
                    world_size: int, ranks_per_node: int) -> dict[str, Any]:
     """Bytes per link vs one DDP ring all-reduce of the gradients; optimizer state vs hsdp's / world x shard size."""
-    limit = _BYTES_TARGET * allreduce_wire_bytes
+    limit = BYTES_TARGET * allreduce_wire_bytes
     tiers = {t: {"bytes": b, "ratio": _ratio(b, allreduce_wire_bytes), "met": b <= limit}
              for t, b in sorted(partial["tier_bytes_per_step"].items())}
-    out: dict[str, Any] = {"allreduce_wire_bytes": allreduce_wire_bytes, "bytes_target": _BYTES_TARGET,
+    out: dict[str, Any] = {"allreduce_wire_bytes": allreduce_wire_bytes, "bytes_target": BYTES_TARGET,
                            "tier_bytes": tiers, "bytes_met": all(t["met"] for t in tiers.values())}
     if hsdp is not None:
         target = hsdp["optimizer_state_bytes_per_rank"] / world_size * ranks_per_node
@@ -278,7 +278,7 @@ def _stage1_goals(by: dict[str, dict[str, Any]]) -> dict[str, Any]:
             continue
         diff = abs(measured - predicted)
         out[name] = {"measured": measured, "predicted": predicted, "num_units": r.get("num_units"),
-                     "abs_diff": diff, "target": _STAGE1_TARGET, "met": diff <= _STAGE1_TARGET}
+                     "abs_diff": diff, "target": STAGE1_TARGET, "met": diff <= STAGE1_TARGET}
     return out
 
 
@@ -299,7 +299,7 @@ def _goals(results: list[dict[str, Any]], *, num_replicas: int, ranks_per_node: 
         losses = {name: abs(by[name]["final_loss"] - hsdp["final_loss"])
                   for name in ("zero1", "zero1-overlap", "partial") if name in by}
         if losses:
-            goals["final_loss_vs_hsdp"] = {name: {"abs_diff": d, "target": _LOSS_TARGET, "met": d <= _LOSS_TARGET}
+            goals["final_loss_vs_hsdp"] = {name: {"abs_diff": d, "target": LOSS_TARGET, "met": d <= LOSS_TARGET}
                                            for name, d in losses.items()}
     if partial is not None:
         goals["partial"] = _partial_goals(partial, hsdp, allreduce_wire_bytes=allreduce_wire_bytes,
