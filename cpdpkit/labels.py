@@ -99,6 +99,7 @@ class _ShardPhases:
     PARAM_WAIT = Phase("shard", "param_wait", "all_gather")  # stage 1 in step(), stage 2 before forward
     UPDATE = Phase("shard", "update", None)  # the inner optimizer on one unit's slice
     TIMINGS = Phase("shard", "timings_allreduce", "all_reduce")  # calibrate(): measured timings, max over the world
+    BROADCAST_INIT = Phase("shard", "broadcast_init", "broadcast")  # PartialShardExecutor: identical start parameters
 
 
 SYNC = _SyncPhases

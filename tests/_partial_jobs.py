@@ -48,6 +48,8 @@ def _entry(rank: int, world_size: int, out: str, plan_dict: dict[str, Any], case
             results.append(ej.resume_case(rank, plan, mesh, case, ckpt, PartialShardExecutor, plain_params))
         elif case.get("bytes"):
             results.append(_metered(rank, plan, mesh, case))
+        elif case.get("buckets"):
+            results.append(_buckets(rank, plan, mesh, case))
         else:
             results.append(_run_case(rank, plan, mesh, case))
     pj.finish_rank(rank, out, {"backend": info.backend, "cases": results})
@@ -101,3 +103,46 @@ def _metered(rank: int, plan: Any, mesh: Any, case: dict[str, Any]) -> dict[str,
         ej.train_executor(ex, net, case, data)
     return {"name": case["name"], "bytes_by_tier": m.bytes_by_tier if m else {},
             "op_counts": m.op_counts if m else {}, "params": plain_params(net)}
+
+
+def _inside(t: torch.Tensor, base: torch.Tensor) -> bool:
+    start, storage = base.untyped_storage().data_ptr(), base.untyped_storage().nbytes()
+    return start <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= start + storage
+
+
+def _buckets(rank: int, plan: Any, mesh: Any, case: dict[str, Any]) -> dict[str, Any]:
+    """The flat-bucket path: the initial broadcast (every rank starts from another init), parameters and
+    gradients as views of the buckets (no copy on the hot path), and bf16 compute with fp32 or bf16
+    reductions against the fp32 reference."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from cpdpkit.shard.partial import PartialShardExecutor
+
+    torch.manual_seed(1234 + rank)  # a different init on every rank: the executor broadcasts mesh rank 0's
+    net = pj.Net()
+    before = plain_params(net)
+    ex = PartialShardExecutor(net, plan, ej.OPTIMIZERS[case["optimizer"]], mesh=mesh)
+    start = plain_params(net)
+    x, y = ej.batches(rank)[0]
+    ex.zero_grad()
+    nn.functional.mse_loss(net(x), y).backward()
+    views = {"params": all(any(_inside(p, u.flat_param) for u in ex._units) for p in net.parameters()),
+             "grads": all(p.grad is not None and any(_inside(p.grad, u.flat_grad) for u in ex._units)
+                          for p in net.parameters())}
+    ex.step()
+    ex.wait_exchanges()
+    mixed = {}
+    for reduce in ("float32", "bfloat16"):
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=getattr(torch, reduce))
+        low = ej.make_net(case)
+        lex = PartialShardExecutor(low, plan, ej.OPTIMIZERS[case["optimizer"]], mesh=mesh, mp_policy=policy)
+        run = ej.train_executor(lex, low, case, ej.batches(rank))
+        errors = []
+        try:
+            lex.state_dict()
+        except Exception as exc:  # noqa: BLE001 (the message is the result)
+            errors.append(str(exc))
+        mixed[reduce] = {"losses": run["losses"], "dtypes": sorted({str(p.dtype) for p in low.parameters()}),
+                         "params": {n: p.detach().float() for n, p in low.named_parameters()}, "errors": errors}
+    return {"name": case["name"], "before": before, "start": start, "views": views, "mixed": mixed,
+            "ref": _reference(rank, case, None)}

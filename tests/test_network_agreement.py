@@ -176,7 +176,8 @@ def _expected_direct(rank: int) -> tuple[dict[str, int], dict[str, int]]:
         if rank in ranks:
             cost = TWO_NODES.group(ranks).cost(op, num_bytes)
             ops[op] += 1
-            wire[cost.tier] += cost.wire_bytes
+            for tier, b in cost.tier_bytes or ((cost.tier, cost.wire_bytes),):  # a hierarchical one: per level
+                wire[tier] += b
     for src, dst, num_bytes in SENDS:
         if rank in (src, dst):
             ops["send_recv"] += 1

@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import _executor_checks as checks
 import _executor_jobs as ej
@@ -34,6 +35,7 @@ GLOO_CASES = [
 RESUME_CASES = [{"name": "adamw-resume", "optimizer": "adamw", "k": 2},
                 {"name": "sgd-clip-resume-stateful", "optimizer": "sgd", "max_grad_norm": 0.05, "k": 2,
                  "stateful": True}]
+BUCKET_CASES = [{"name": "buckets", "optimizer": "adamw", "buckets": True}]
 
 
 def _plan(topology, stage1=True):
@@ -52,7 +54,7 @@ EMU_CASES = [{"name": "bytes", "optimizer": "adamw", "bytes": True},
 def _phases():
     """The module's two 4-rank jobs (gloo cases with the resume cases, emulated cases), each its own process
     group; they run in the session's one spawned group of 4 processes (tests/conftest.py ``planner_spawn``)."""
-    return [("gloo", jobs._entry, 4, (_plan("wan").to_dict(), GLOO_CASES + RESUME_CASES, False)),
+    return [("gloo", jobs._entry, 4, (_plan("wan").to_dict(), GLOO_CASES + RESUME_CASES + BUCKET_CASES, False)),
             ("emu", jobs._entry, 4, (ej.with_stage1_schedule(_plan(pj.FAST_WAN), 0.01).to_dict(), EMU_CASES, True))]
 
 
@@ -100,7 +102,7 @@ def test_partial_matches_data_parallel_on_4_gloo_ranks(gloo_results):
 def test_partial_misuse_labels_and_checkpoint_on_4_gloo_ranks(gloo_results):
     _plan, results = gloo_results
     checks.check_misuse_and_labels(results, GLOO_CASES, ())
-    resumed = [{"cases": r["cases"][len(GLOO_CASES):]} for r in results]
+    resumed = [{"cases": r["cases"][len(GLOO_CASES):len(GLOO_CASES) + len(RESUME_CASES)]} for r in results]
     checks.check_resumed(resumed, "PartialShardExecutor")
 
 
@@ -150,8 +152,40 @@ def test_partial_refuses_bad_input_before_any_collective():
         ((Bigger(), plan, sgd), {}, "parameter 'extra.weight' of the model is not in the plan"),
         ((pj.Net(), plan, lambda g: torch.optim.LBFGS(g)), {}, "cannot run optimizer LBFGS"),
         ((pj.Net(), plan, sgd), {"max_grad_norm": 0}, "max_grad_norm = 0 is invalid"),
+        ((pj.Net(), plan, sgd), {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.float16)},
+         "mp_policy computes in param_dtype = torch.float16; PartialShardExecutor supports float32 or bfloat16"),
+        ((pj.Net(), plan, sgd), {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                   reduce_dtype=torch.float16)},
+         "mp_policy reduces gradients in torch.float16; PartialShardExecutor supports float32 or bfloat16"),
+        ((pj.Net(), plan, sgd), {"mp_policy": "bf16"}, "mp_policy = str must be a"),
     ]
     for args, kwargs, match in bad:
         with pytest.raises(PlannerError) as info:
             PartialShardExecutor(*args, **kwargs)
         assert match in str(info.value) and "\n" not in str(info.value), (match, str(info.value))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(SPAWN_TIMEOUT_S)
+def test_partial_buckets_broadcast_views_and_bf16_on_4_gloo_ranks(gloo_results):
+    """The flat-bucket path: replicas that start different are made identical (rank 0's values) before
+    training; parameters and gradients are views of the buckets; bf16 compute (fp32 or bf16 reductions)
+    follows the fp32 reference within bf16's precision, and checkpointing it is refused in one line."""
+    _plan, results = gloo_results
+    first = results[0]["cases"][-1]
+    for rank, rank_result in enumerate(results):
+        res = rank_result["cases"][-1]
+        assert res["name"] == "buckets"
+        for fqn, expect in first["before"].items():
+            assert torch.equal(res["start"][fqn], expect), (rank, fqn)
+        if rank:
+            assert any(not torch.equal(res["before"][f], v) for f, v in first["before"].items()), rank
+        assert res["views"] == {"params": True, "grads": True}, rank
+        ref = res["ref"]
+        for reduce, run in res["mixed"].items():
+            assert run["dtypes"] == ["torch.bfloat16"], (reduce, run["dtypes"])
+            assert run["losses"] == pytest.approx(ref["losses"], rel=3e-2), (reduce, run["losses"], ref["losses"])
+            for fqn, expect in ref["params"].items():
+                torch.testing.assert_close(run["params"][fqn], expect, rtol=0, atol=3e-2, msg=f"{reduce} {fqn}")
+            assert len(run["errors"]) == 1 and "mp_policy param_dtype = torch.bfloat16" in run["errors"][0]
+            assert "\n" not in run["errors"][0]

@@ -311,7 +311,9 @@ class EmulatedProcessGroup(ProcessGroup):
     def _book(self, op: str, num_bytes: int, costs: list[CollectiveCost], seq: int, inner_work: Any,
               outputs: list[torch.Tensor], issued_s: float) -> EmulatedWork:
         """Count ``costs``' wire bytes and book their sampled time (one draw for the whole batch)."""
-        self._counters.add_wire_bytes(self.tier_name, sum(c.wire_bytes for c in costs))
+        for cost in costs:  # per tier as the model decomposes it (a hierarchical collective: each level's own)
+            for tier, wire in (cost.tier_bytes or ((self.tier_name, cost.wire_bytes),)):
+                self._counters.add_wire_bytes(tier, wire)
         key = f"{self._group_name}:{seq}"
         modeled_s = jittered_s(self._network, costs, seed=self._session.config.jitter_seed, key=key)
         if self._faults is not None and costs:

@@ -120,12 +120,19 @@ class Evaluation:
     rank_bytes: RankBytes
     comm: tuple[CommPhase, ...]
     reconciliation: Reconciliation | None = None  # set by cpdpkit.planner._reconcile_cost
+    # the candidate's time at the latency-bound unit size, when its units were chosen finer for overlap
+    ranking_time_s: float | None = None
 
     @property
     def time_s(self) -> float:
         """Modeled seconds per step: every per-step collective, plus the amortised reconciliation."""
         rec = self.reconciliation
         return sum(p.time_s for p in self.comm) + (rec.amortised_s_per_step if rec is not None else 0.0)
+
+    @property
+    def ranking_s(self) -> float:
+        """What candidates are compared by: :attr:`time_s`, at the latency-bound unit size."""
+        return self.time_s if self.ranking_time_s is None else self.ranking_time_s
 
 
 class CostModel:
@@ -153,9 +160,14 @@ def comm_phase(model: CostModel, name: str, op: str, axis: str, group: tuple[int
         return None
     net = model.group(group)
     costs = [net.cost(op, n) for n in sizes]
+    by_tier: dict[str, int] = {}
+    for c in costs:
+        for tier, wire in c.tier_bytes:
+            by_tier[tier] = by_tier.get(tier, 0) + wire
     return CommPhase(name=name, op=op, axis=axis, tier=model.tier_name(group), num_ranks=net.num_ranks,
                      num_collectives=len(sizes), collective_bytes=sum(sizes),
-                     wire_bytes_per_rank=sum(c.wire_bytes for c in costs), time_s=sum(c.time_s for c in costs))
+                     wire_bytes_per_rank=sum(c.wire_bytes for c in costs), time_s=sum(c.time_s for c in costs),
+                     tier_bytes=by_tier if len(by_tier) > 1 else None)
 
 
 def comm_phases(model: CostModel, units: list[UnitGeom], cand: Candidate,

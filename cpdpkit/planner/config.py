@@ -125,6 +125,12 @@ class PlannerConfig(Record):
       rank's shard), priced per step as its cost / K; SlowMo's anchor and slow momentum
       (float32, 2 × the rank's parameter shard) join each rank's memory. ``None`` (the
       default): the replicate axis all-reduces every step, as plain FSDP2/HSDP does.
+    * ``tokens_per_rank`` / ``flops_per_s``: the compute model behind the two-stage schedule and
+      the unit sizes (:func:`cpdpkit.planner.schedule.estimate_unit_timings`: 6·params·tokens
+      FLOPs per unit at ``flops_per_s``); ``None``: 4,096 tokens at an A100's 125 TFLOP/s.
+      With ``min_unit_bytes`` left ``None``, a plan that exchanges updated parameters across
+      replicas gets the block grouping whose predicted exposed communication (that schedule,
+      overlap with backward and forward included) is least.
     """
 
     param_dtype: str = "bfloat16"
@@ -137,6 +143,8 @@ class PlannerConfig(Record):
     reshard_after_forward: bool | int | None = None
     param_sharding: str | None = None
     reconcile_period: int | None = None
+    tokens_per_rank: int | None = None
+    flops_per_s: float | None = None
 
     def __post_init__(self) -> None:
         refuse_nonfinite(self, PlannerError)
@@ -156,6 +164,12 @@ class PlannerConfig(Record):
         if raf is not None and not isinstance(raf, bool) and (not isinstance(raf, int) or raf < 2):
             raise PlannerError(f"reshard_after_forward = {raf!r} is invalid; use True, False, None or a "
                                "number of ranks >= 2 (for example the node size)")
+        t = self.tokens_per_rank
+        if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 1):
+            raise PlannerError(f"tokens_per_rank = {t!r} is invalid; use a whole number >= 1 (e.g. 4096) or None")
+        f = self.flops_per_s
+        if f is not None and (not isinstance(f, (int, float)) or isinstance(f, bool) or not f > 0):
+            raise PlannerError(f"flops_per_s = {f!r} is invalid; use a positive rate such as 125e12 or None")
         if not isinstance(self.allow_state_sharding, bool):
             raise PlannerError(f"allow_state_sharding = {self.allow_state_sharding!r} must be True or False")
         self._check_param_sharding()
@@ -189,8 +203,9 @@ class PlannerConfig(Record):
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
-        if self.reconcile_period is None:  # written only when set: a plan without it stays format 2, byte for byte
-            del out["reconcile_period"]
+        for name in ("reconcile_period", "tokens_per_rank", "flops_per_s"):
+            if getattr(self, name) is None:  # written only when set: a plan without them stays format 2, byte for byte
+                del out[name]
         return out
 
     @property

@@ -183,6 +183,14 @@ class CommPhase(Record):
     collective_bytes: int
     wire_bytes_per_rank: int
     time_s: float
+    # a group spanning tiers, priced hierarchically: wire_bytes_per_rank split by tier (as the emulator counts)
+    tier_bytes: dict[str, int] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        if self.tier_bytes is None:  # written only when set: one-tier phases keep their format, byte for byte
+            del out["tier_bytes"]
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -314,7 +322,10 @@ class ShardingPlan:
     def tier_bytes_per_step(self) -> dict[str, int]:
         out = {name: 0 for name in self.topology.tier_names}
         for phase in self.comm:
-            if phase.tier is not None:
+            if phase.tier_bytes is not None:
+                for tier, wire in phase.tier_bytes.items():
+                    out[tier] += wire
+            elif phase.tier is not None:
                 out[phase.tier] += phase.wire_bytes_per_rank
         rec = self.reconciliation
         if rec is not None and rec.tier is not None:  # averaged over the period

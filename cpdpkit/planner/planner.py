@@ -52,7 +52,7 @@ from cpdpkit.planner.config import PlannerConfig, PlannerError, ceil_div, format
 from cpdpkit.planner.model_spec import ROOT, ModelSpec
 from cpdpkit.planner.plan import CandidateSummary, MeshPlan, ParamPlacement, ShardingPlan, StateSharding, UnitPlan
 from cpdpkit.planner.presets import load_model_spec
-from cpdpkit.planner.schedule import plan_two_stage
+from cpdpkit.planner.schedule import compute_model, plan_two_stage, schedule_two_stage, unit_timing
 from cpdpkit.topology import Topology, TopologySpec, resolve_topology
 
 __all__ = ["plan_sharding", "fsdp2_default_plan", "planning_summary", "resolve_inputs"]
@@ -265,6 +265,42 @@ def _checked_raf(raf: bool | int, shard_size: int, topo: Topology) -> bool | int
     return raf
 
 
+def _exchanges(topo: Topology, cand: Candidate) -> bool:
+    """Whether ``cand`` exchanges updated parameters across replicas (the two-stage schedule's subject)."""
+    return topo.world_size // cand.shard_size >= 2 and (cand.state_sharded or cand.param_sharding == "replicated")
+
+
+def _groupings(spec: ModelSpec, min_bytes: int, param_bytes: int) -> list[list[list[int]]]:
+    """The distinct block groupings from ``min_bytes`` (the latency-bound size) down to one block per unit."""
+    out: list[list[list[int]]] = []
+    while True:
+        groups = group_blocks(spec, min_bytes, param_bytes)
+        if groups not in out:
+            out.append(groups)
+        if min_bytes <= 1:
+            return out
+        min_bytes = max(1, min_bytes // 2)
+
+
+def _overlapped_s(topo: Topology, config: PlannerConfig, cand: Candidate, units: list[UnitPlan],
+                  evaluation: Evaluation) -> float:
+    """Predicted exposed communication of a step with these units: the phases off the replicate axis
+    as the cost model sums them, plus the two-stage schedule's exposed time of the replicate-axis
+    exchanges (reduce-scatters under backward, updated parameters under the rest of backward and
+    the next forward; :mod:`cpdpkit.planner.schedule`), on the config's compute model."""
+    model = compute_model(config)
+    s = cand.shard_size
+    net = topo.group(range(0, topo.world_size, s))
+    chunks = [ceil_div(u.padded_numel, s) for u in units]
+    timings = [unit_timing(u.name, u.numel, model["tokens_per_rank"], model["flops_per_s"]) for u in units]
+    sched = schedule_two_stage(timings, reduce_scatter_s=[net.time_s("reduce_scatter", c * config.grad_bytes)
+                                                          for c in chunks],
+                               all_gather_s=[net.time_s("all_gather", c * config.param_bytes) for c in chunks],
+                               num_bytes=[c * config.param_bytes for c in chunks])
+    off_axis = sum(p.time_s for p in evaluation.comm if p.axis != "replicate")
+    return off_axis + sched.exposed_s
+
+
 def _auto_min_unit_bytes(topo: Topology, shard_size: int) -> int:
     tier = topo.tier_of(range(shard_size))
     if tier is None:
@@ -335,12 +371,22 @@ def _evaluate_all(spec: ModelSpec, topo: Topology, config: PlannerConfig,
     results = []
     for cand in candidates:
         min_bytes = config.min_unit_bytes or _auto_min_unit_bytes(topo, cand.shard_size)
-        groups = group_blocks(spec, min_bytes if merge else 1, config.param_bytes)
-        if cand.param_sharding == "replicated":
-            built = _build_partial_units(spec, groups)
-        else:
-            built = _build_units(spec, groups, cand.shard_size, balanced=balanced, raf=cand.reshard_after_forward)
-        evaluation = evaluate(model, built[1], cand, config)
+        choices = [group_blocks(spec, min_bytes if merge else 1, config.param_bytes)]
+        if merge and config.min_unit_bytes is None and _exchanges(topo, cand):
+            choices = _groupings(spec, min_bytes, config.param_bytes)
+        scored = []
+        for groups in choices:
+            if cand.param_sharding == "replicated":
+                built = _build_partial_units(spec, groups)
+            else:
+                built = _build_units(spec, groups, cand.shard_size, balanced=balanced,
+                                     raf=cand.reshard_after_forward)
+            evaluation = evaluate(model, built[1], cand, config)
+            score = _overlapped_s(topo, config, cand, built[0], evaluation) if len(choices) > 1 else 0.0
+            scored.append((score, len(scored), evaluation, built))
+        _, _, evaluation, built = min(scored, key=lambda x: x[:2])
+        if evaluation is not scored[0][2]:  # the strategy is chosen as at the latency-bound size, its units for overlap
+            evaluation = replace(evaluation, ranking_time_s=scored[0][2].time_s)
         if reconciling:
             evaluation = reconciled(model, built[1], evaluation, config)
         results.append((evaluation, built))
@@ -419,13 +465,13 @@ def plan_sharding(model: Any, topology: Topology | str, *, world_size: int | Non
     fitting = [r for r in results if budget is None or r[0].rank_bytes.peak_bytes <= budget]
     if not fitting:
         raise _budget_error(spec, topo, config, results)
-    fastest = min(ev.time_s for ev, _ in fitting)
-    close = [r for r in fitting if r[0].time_s <= fastest * (1 + _TIME_TIE_FRAC) + 1e-12]
+    fastest = min(ev.ranking_s for ev, _ in fitting)
+    close = [r for r in fitting if r[0].ranking_s <= fastest * (1 + _TIME_TIE_FRAC) + 1e-12]
     # A tie keeps parameters sharded: partial wins only when it is more than 1 % faster than every
     # sharded plan that fits (in practice: when memory rules out the sharded plans as fast as it),
     # because its executor is not FSDP2 and existing users of the default plan run FSDP2-style plans.
     pool = [r for r in close if r[0].candidate.param_sharding == "sharded"] or close
-    leanest = lambda r: (r[0].rank_bytes.peak_bytes, r[0].time_s)  # noqa: E731
+    leanest = lambda r: (r[0].rank_bytes.peak_bytes, r[0].ranking_s)  # noqa: E731
     best = min(pool, key=leanest)
     summaries = tuple(_summary(r[0], budget, chosen=r is best) for r in results)
     kept = min(close, key=leanest) is not best  # a leaner partial plan as fast was passed over
@@ -437,7 +483,7 @@ def _summary(evaluation: Evaluation, budget: int | None, *, chosen: bool) -> Can
     cand, peak = evaluation.candidate, evaluation.rank_bytes.peak_bytes
     return CandidateSummary(strategy=cand.label, shard_size=cand.shard_size,
                             reshard_after_forward=cand.reshard_after_forward, state_sharded=cand.state_sharded,
-                            param_sharding=cand.param_sharding, time_s=evaluation.time_s, peak_bytes=peak,
+                            param_sharding=cand.param_sharding, time_s=evaluation.ranking_s, peak_bytes=peak,
                             fits_budget=budget is None or peak <= budget, chosen=chosen)
 
 

@@ -69,7 +69,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from cpdpkit.planner.config import PlannerError, ceil_div
+from cpdpkit.planner.config import PlannerConfig, PlannerError, ceil_div
 from cpdpkit.planner.plan import ShardingPlan
 from cpdpkit.planner.timeline import (
     EPS_S,
@@ -83,6 +83,8 @@ from cpdpkit.topology import Topology
 
 __all__ = [
     "estimate_unit_timings",
+    "compute_model",
+    "unit_timing",
     "schedule_two_stage",
     "plan_two_stage",
     "ALGORITHM",
@@ -94,6 +96,12 @@ ALGORITHM = "non-preemptive EDF with release times, reduce-scatters first, backf
 DEFAULT_TOKENS_PER_RANK = 4096  # one 4k-token sequence per rank per step
 DEFAULT_FLOPS_PER_S = 125e12  # an A100's 312 TFLOP/s bf16 at 40 % MFU
 _NORM_BYTES = 8  # the squared global norm: one fp64 (or two fp32) scalar all-reduced over the world
+
+
+def compute_model(config: PlannerConfig) -> dict[str, float]:
+    """:func:`estimate_unit_timings`' keyword arguments from a planner config (its defaults where unset)."""
+    return {"tokens_per_rank": config.tokens_per_rank or DEFAULT_TOKENS_PER_RANK,
+            "flops_per_s": config.flops_per_s or DEFAULT_FLOPS_PER_S}
 
 
 def estimate_unit_timings(plan: ShardingPlan, *, tokens_per_rank: int = DEFAULT_TOKENS_PER_RANK,
@@ -108,11 +116,13 @@ def estimate_unit_timings(plan: ShardingPlan, *, tokens_per_rank: int = DEFAULT_
         raise PlannerError(f"tokens_per_rank = {tokens_per_rank!r} is invalid; use a whole number >= 1 (e.g. 4096)")
     if not isinstance(flops_per_s, (int, float)) or not math.isfinite(flops_per_s) or flops_per_s <= 0:
         raise PlannerError(f"flops_per_s = {flops_per_s!r} is invalid; use a positive rate such as 125e12")
-    out = []
-    for u in plan.units:
-        total_s = 6 * u.numel * tokens_per_rank / flops_per_s
-        out.append(UnitTiming(name=u.name, forward_s=total_s / 3, backward_s=2 * total_s / 3))
-    return tuple(out)
+    return tuple(unit_timing(u.name, u.numel, tokens_per_rank, flops_per_s) for u in plan.units)
+
+
+def unit_timing(name: str, numel: int, tokens_per_rank: int, flops_per_s: float) -> UnitTiming:
+    """One unit's estimate (:func:`estimate_unit_timings`' formula, inputs not checked)."""
+    total_s = 6 * numel * tokens_per_rank / flops_per_s
+    return UnitTiming(name=name, forward_s=total_s / 3, backward_s=2 * total_s / 3)
 
 
 def _reduce_scatters(timings: Sequence[UnitTiming],
@@ -245,7 +255,8 @@ def plan_two_stage(plan: ShardingPlan, topology: Topology | None = None,
     if topo.world_size != plan.world_size:
         raise PlannerError(f"topology {topo.name!r} places {topo.world_size} ranks but the plan has "
                            f"{plan.world_size}; pass a topology placed on {plan.world_size} ranks")
-    by_name = {t.name: t for t in (timings if timings is not None else estimate_unit_timings(plan))}
+    by_name = {t.name: t for t in (timings if timings is not None else estimate_unit_timings(
+        plan, **compute_model(plan.config)))}
     missing = [u.name for u in plan.units if u.name not in by_name]
     if missing or len(by_name) != len(plan.units):
         extra = sorted(set(by_name) - {u.name for u in plan.units})

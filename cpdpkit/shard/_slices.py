@@ -44,7 +44,7 @@ from cpdpkit.shard._executor_state import ExecutorStateMixin
 from cpdpkit.shard._slice_schedule import END, UnitClock, apply_slots, stage1_triggers
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "optimizer_state_bytes", "SliceUnit", "SliceExecutor", "check_inputs",
-           "build_mesh", "chunk_of", "slice_bounds", "REDUCE_SCATTER", "ALL_GATHER"]
+           "build_mesh", "chunk_of", "slice_bounds", "REDUCE_SCATTER", "ALL_GATHER", "MP_DTYPES", "mp_dtypes"]
 
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
@@ -78,6 +78,32 @@ def _refuse(optimizer: torch.optim.Optimizer, who: str) -> None:
         f"{who} cannot run optimizer {name}: each replica updates only a 1/R slice of its shard, so "
         f"the update of one element must depend only on that element's gradient and state (an elementwise "
         f"optimizer); {name} is not one of the known elementwise optimizers ({allowed})")
+
+
+MP_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def mp_dtypes(who: str, mp_policy: Any, *, check_param: bool = False) -> tuple[torch.dtype, torch.dtype]:
+    """``(param_dtype, reduce_dtype)`` of a ``MixedPrecisionPolicy`` (``None``: float32 both), checked.
+
+    The reduce dtype must be float32 or bfloat16; with ``check_param`` the param dtype too (the
+    partial executor keeps the replicated parameters in it)."""
+    if mp_policy is None:
+        return torch.float32, torch.float32
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise PlannerError(f"mp_policy = {type(mp_policy).__name__} must be a "
+                           "torch.distributed.fsdp.MixedPrecisionPolicy or None")
+    param = mp_policy.param_dtype or torch.float32
+    if check_param and param not in MP_DTYPES:
+        raise PlannerError(f"mp_policy computes in param_dtype = {param}; {who} supports float32 or bfloat16 "
+                           "parameters: set param_dtype=torch.bfloat16 (or torch.float32)")
+    dtype = mp_policy.reduce_dtype or mp_policy.param_dtype or torch.float32
+    if dtype not in MP_DTYPES:
+        raise PlannerError(f"mp_policy reduces gradients in {dtype}; {who} supports float32 or "
+                           "bfloat16 reductions: set reduce_dtype=torch.float32 (or torch.bfloat16)")
+    return param, dtype
 
 
 def check_inputs(who: str, model: nn.Module, optimizer_factory: OptimizerFactory, max_grad_norm: Any,
@@ -178,6 +204,7 @@ class SliceExecutor(ExecutorStateMixin):
         self._rep_group = mesh.get_group("replicate")
         self._rep_size = mesh.size(0)
         self._rep_rank = mesh.get_local_rank("replicate")
+        self._gather_dtype = torch.float32  # what the updated slices travel in (the partial executor: param_dtype)
         if self.max_grad_norm is not None and mesh.size() != dist.get_world_size():
             raise PlannerError(f"max_grad_norm with a mesh of {mesh.size()} of the world's {dist.get_world_size()} "
                                "ranks: the norm is all-reduced over the world; clip with a mesh of the whole world")
@@ -246,9 +273,16 @@ class SliceExecutor(ExecutorStateMixin):
         """A zeroed reduce-scatter input for ``unit``: its vector goes into the first ``numel`` elements."""
         return torch.zeros(unit.chunk * self._rep_size, dtype=dtype, device=self._device)
 
-    def _grad_ready(self, unit: SliceUnit, send: torch.Tensor) -> None:
-        """``unit``'s gradient is ready (its hook): launch its reduce-scatter, then this point's exchanges."""
-        self._clock.unit_backward_enter(unit.plan_index, time.perf_counter())
+    def _grad_ready(self, unit: SliceUnit, send: torch.Tensor, *, clocked: bool = True) -> None:
+        """``unit``'s gradient is ready (its hook): launch its reduce-scatter, then this point's exchanges.
+
+        ``clocked=False``: the caller's own hook clocks the unit's backward and fires the unit's
+        trigger point itself (:meth:`_fire`): the partial executor hands a unit on one hook later,
+        once its in-node reduce-scatter is done, but the stage-1 exchanges due at a unit's point
+        start at that unit's own hook, as the schedule predicts.
+        """
+        if clocked:
+            self._clock.unit_backward_enter(unit.plan_index, time.perf_counter())
         if unit.ready:
             raise PlannerError(f"{type(self).__name__}: a second synced backward before step() (unit {unit.name!r} "
                                "already has its gradient); call step() after each synced backward, or use "
@@ -265,9 +299,14 @@ class SliceExecutor(ExecutorStateMixin):
             # rank); a full bucket crosses the sites under the rest of backward.
             self._take_untaken()
             self._untaken.append(unit)
+        if clocked:
+            self._fire(unit.name)
+            self._clock.unit_backward_exit(time.perf_counter())
+
+    def _fire(self, point: str) -> None:
+        """The stage-1 exchanges due at gradient-ready point ``point`` (a unit's name)."""
         if self.update_in_backward:
-            self._trigger(self._triggers.get(unit.name, []))
-        self._clock.unit_backward_exit(time.perf_counter())
+            self._trigger(self._triggers.get(point, []))
 
     def _begin_backward(self) -> None:
         """At the first hook of a synced backward: queue the end-of-backward callback."""
@@ -383,15 +422,22 @@ class SliceExecutor(ExecutorStateMixin):
 
     def _launch(self, unit: SliceUnit) -> None:
         self._finish(unit)  # an exchange of an earlier step that no forward has consumed
-        send = unit.slice_param.new_zeros(unit.chunk)
+        send = unit.slice_param.new_zeros(unit.chunk, dtype=self._gather_dtype)
         send[:unit.hi - unit.lo].copy_(unit.slice_param.detach())
-        recv = send.new_empty(unit.chunk * self._rep_size)
+        recv = self._ag_buffer(unit, send)
         with record_function(SHARD.PARAM_ALL_GATHER.label):
             work = ALL_GATHER(recv, send, group=self._rep_group, async_op=True)
         unit.pending_ag = (work, recv, send)
         unit.launched = True
 
-    def _finish(self, unit: SliceUnit) -> None:
+    def _ag_buffer(self, unit: SliceUnit, send: torch.Tensor) -> torch.Tensor:
+        """Where the replicate-axis all-gather of ``unit`` lands (``R·chunk`` elements)."""
+        return send.new_empty(unit.chunk * self._rep_size)
+
+    def _finish(self, unit: SliceUnit, *, wait_model: bool = True) -> None:
+        """Wait ``unit``'s pending exchange and hand it to the model; ``wait_model=False`` lets an
+        executor whose hand-back is itself a collective leave that in flight (the partial executor's
+        in-node all-gather, waited by the unit's next forward)."""
         if unit.pending_ag is None:
             return
         work, recv, _send = unit.pending_ag
@@ -428,7 +474,7 @@ class SliceExecutor(ExecutorStateMixin):
                     self._launch(u)
         for u in self._exec_order:
             if u.stage == 1:
-                self._finish(u)
+                self._finish(u, wait_model=False)
         norm = self._norm
         self._num_steps += 1
         if self.max_grad_norm is not None:

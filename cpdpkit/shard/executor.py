@@ -151,6 +151,7 @@ from cpdpkit.shard._slices import (
     build_mesh,
     check_inputs,
     chunk_of,
+    mp_dtypes,
     optimizer_state_bytes,
     slice_bounds,
 )
@@ -158,7 +159,6 @@ from cpdpkit.shard.apply import apply_plan
 
 __all__ = ["TwoStageExecutor", "ELEMENTWISE_OPTIMIZERS", "optimizer_state_bytes"]
 
-_REDUCE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclasses.dataclass(kw_only=True, eq=False)
@@ -171,18 +171,7 @@ class _ShardUnit(SliceUnit):
 
 def _reduce_dtype(mp_policy: Any) -> torch.dtype:
     """The dtype FSDP2 reduces gradients in under ``mp_policy`` (checked)."""
-    if mp_policy is None:
-        return torch.float32
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise PlannerError(f"mp_policy = {type(mp_policy).__name__} must be a "
-                           "torch.distributed.fsdp.MixedPrecisionPolicy or None")
-    dtype = mp_policy.reduce_dtype or mp_policy.param_dtype or torch.float32
-    if dtype not in _REDUCE_DTYPES:
-        raise PlannerError(f"mp_policy reduces gradients in {dtype}; TwoStageExecutor supports float32 or "
-                           "bfloat16 reductions: set reduce_dtype=torch.float32 (or torch.bfloat16)")
-    return dtype
+    return mp_dtypes("TwoStageExecutor", mp_policy)[1]
 
 
 class TwoStageExecutor(SliceExecutor):

@@ -43,12 +43,15 @@ elementwise optimizers only.
 from __future__ import annotations
 
 import dataclasses
+import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.profiler import record_function
+from torch.utils._pytree import tree_map
 
 from cpdpkit.labels import SHARD
 from cpdpkit.planner.config import PlannerError
@@ -62,6 +65,7 @@ from cpdpkit.shard._slices import (
     build_mesh,
     check_inputs,
     chunk_of,
+    mp_dtypes,
     slice_bounds,
 )
 
@@ -69,12 +73,22 @@ __all__ = ["PartialShardExecutor"]
 
 
 @dataclasses.dataclass(kw_only=True, eq=False)
-class _PartialUnit(SliceUnit):
+class _Bucket(SliceUnit):
+    """One plan unit as a flat bucket: its parameters and their gradients are views of flat buffers."""
+
     numels: list[int]
     total: int  # n: the unit's elements
     node_chunk: int  # c = ceil(n / S)
     offset: int  # i·c: where this rank's node slice starts in the flat unit
+    flat_param: torch.Tensor  # S·c: the unit's parameters are views of its first n elements
+    flat_grad: torch.Tensor  # S·c: their gradients are views of it while a step runs
+    grad_views: list[torch.Tensor]
+    node_grad: torch.Tensor  # R·d: [:c] the in-node reduce-scatter's output, the tail stays zero
+    node_param: torch.Tensor  # R·d: the cross-node all-gather's output, [:c] the in-node all-gather's input
+    flat_reduce: torch.Tensor | None  # S·c in reduce_dtype when it differs from param_dtype (one cast per bucket)
     num_accumulated: int = 0  # parameters whose gradient this backward has accumulated
+    pending_node_rs: Any = None  # the in-node reduce-scatter of this backward, until its hand-on
+    pending_node_ag: Any = None  # the in-node all-gather into flat_param, until the unit's next forward
 
 
 class PartialShardExecutor(SliceExecutor):
@@ -89,11 +103,13 @@ class PartialShardExecutor(SliceExecutor):
     Public methods as the two-stage executor: ``zero_grad``, ``step``, ``set_requires_gradient_sync``,
     ``wait_exchanges``, ``calibrate``, ``measured_schedule``, ``measured_timings``, ``stats``,
     ``reset_stats``, ``state_bytes``, ``slice_params``, ``state_dict``, ``load_state_dict``.
+    The constructor moves the model's parameters into the flat buckets (their values are kept,
+    their storage changes) and broadcasts them from mesh rank ``(0, 0)``.
     """
 
     def __init__(self, model: nn.Module, plan: ShardingPlan, optimizer_factory: OptimizerFactory, *,
                  mesh: DeviceMesh | None = None, max_grad_norm: float | None = None,
-                 update_in_backward: bool = True) -> None:
+                 update_in_backward: bool = True, mp_policy: Any = None) -> None:
         if not isinstance(plan, ShardingPlan):
             raise TypeError(f"plan = {type(plan).__name__} must be a ShardingPlan")
         kind = getattr(plan, "param_sharding", None)
@@ -101,6 +117,7 @@ class PartialShardExecutor(SliceExecutor):
             raise PlannerError(f"plan {plan.strategy!r} has param_sharding = {kind!r}; PartialShardExecutor runs "
                                "partial plans: plan with PlannerConfig(param_sharding='replicated'), or run this "
                                "plan with TwoStageExecutor / apply_plan")
+        self._param_dtype, self._reduce_dtype = mp_dtypes("PartialShardExecutor", mp_policy, check_param=True)
         check_inputs("PartialShardExecutor", model, optimizer_factory, max_grad_norm, update_in_backward)
         if any(hasattr(p, "placements") for p in model.parameters()):
             raise PlannerError("PartialShardExecutor needs the plain (unsharded) model, but its parameters are "
@@ -108,11 +125,18 @@ class PartialShardExecutor(SliceExecutor):
         units = self._unit_params(model, plan)
         mesh = build_mesh("PartialShardExecutor", model, plan, mesh)
         self._setup_axes(plan, mesh, max_grad_norm, update_in_backward)
+        self._gather_dtype = self._param_dtype
         self.model = model
         self._shard_group = mesh.get_group("shard")
         self._shard_size = mesh.size(1)
         self._shard_rank = mesh.get_local_rank("shard")
-        self._setup_pipeline([self._make_unit(*args) for args in units], optimizer_factory)
+        self._handing: list[_Bucket] = []  # units whose in-node reduce-scatter runs, in hook order
+        buckets = [self._make_unit(*args) for args in units]
+        self._broadcast_init([b for b in buckets if b.params])
+        self._setup_pipeline(buckets, optimizer_factory)
+        if self._param_dtype != torch.float32:
+            self._lower_params(mp_policy.cast_forward_inputs)
+        self._attach_grads()
 
     # ---- setup -----------------------------------------------------------------------------
     @staticmethod
@@ -135,26 +159,100 @@ class PartialShardExecutor(SliceExecutor):
                                "plan this model (or a meta-device copy of it) and run that plan")
         return out
 
-    def _make_unit(self, name: str, plan_index: int, modules: list[nn.Module], params: list) -> _PartialUnit:
+    def _make_unit(self, name: str, plan_index: int, modules: list[nn.Module], params: list) -> _Bucket:
         numels = [p.numel() for p in params]
         n = sum(numels)
-        c = chunk_of(n, self._shard_size)
-        d = chunk_of(c, self._rep_size)
+        s, r = self._shard_size, self._rep_size
+        c = chunk_of(n, s)
+        d = chunk_of(c, r)
         offset = self._shard_rank * c
         m = max(0, min(c, n - offset))  # the real elements of this rank's node slice
         lo, hi = slice_bounds(m, d, self._rep_rank)
+        device = params[0].device if params else torch.device("cpu")
+        flat_param = torch.zeros(s * c, device=device)  # float32 until _lower_params (the slices' masters)
+        flat_grad = torch.zeros(s * c, dtype=self._param_dtype, device=device)
+        low = self._param_dtype != self._reduce_dtype
         with torch.no_grad():
-            flat = torch.cat([p.detach().reshape(-1) for p in params]) if params else torch.zeros(0)
-            slice_param = nn.Parameter(flat[offset + lo:offset + hi].clone())
-        unit = _PartialUnit(name=name, plan_index=plan_index, modules=modules, params=params, numel=m, chunk=d,
-                            lo=lo, hi=hi, slice_param=slice_param, numels=numels, total=n, node_chunk=c,
-                            offset=offset)
-        for p in params:
-            p.register_post_accumulate_grad_hook(lambda _p, u=unit: self._on_param_grad(u))
+            for p, piece in zip(params, flat_param[:n].split(numels)):
+                piece.copy_(p.detach().reshape(-1))
+                p.data = piece.view_as(p)  # the model's parameter is now a view of the bucket
+        grad_views = [piece.view_as(p) for p, piece in zip(params, flat_grad[:n].split(numels))]
+        unit = _Bucket(name=name, plan_index=plan_index, modules=modules, params=params, numel=m, chunk=d,
+                       lo=lo, hi=hi, slice_param=nn.Parameter(torch.zeros(hi - lo, device=device)), numels=numels,
+                       total=n, node_chunk=c, offset=offset, flat_param=flat_param, flat_grad=flat_grad,
+                       grad_views=grad_views, node_grad=torch.zeros(r * d, dtype=self._reduce_dtype, device=device),
+                       node_param=torch.zeros(r * d, dtype=self._param_dtype, device=device),
+                       flat_reduce=torch.zeros(s * c, dtype=self._reduce_dtype, device=device) if low else None)
+        for p, view in zip(params, grad_views):
+            p.register_post_accumulate_grad_hook(lambda p, u=unit, v=view: self._on_param_grad(u, p, v))
         return unit
 
+    def _broadcast_init(self, buckets: list[_Bucket]) -> None:
+        """Every rank of the mesh starts from mesh rank (0, 0)'s parameters (then fills its slices)."""
+        for group in (self._rep_group, self._shard_group):
+            src = dist.get_global_rank(group, 0)
+            with record_function(SHARD.BROADCAST_INIT.label):
+                works = [dist.broadcast(b.flat_param, src=src, group=group, async_op=True) for b in buckets]
+            for work in works:
+                work.wait()
+        with torch.no_grad():
+            for b in buckets:
+                b.slice_param.copy_(b.flat_param[b.offset + b.lo:b.offset + b.hi])
+
+    def _lower_params(self, cast_inputs: bool) -> None:
+        """mp_policy: the replicated parameters in param_dtype (the float32 masters are the slices)."""
+        for u in self._units:
+            low = u.flat_param.to(self._param_dtype)
+            with torch.no_grad():
+                for p, piece in zip(u.params, low[:u.total].split(u.numels)):
+                    p.data = piece.view_as(p)
+            u.flat_param = low
+        if cast_inputs:
+            dtype = self._param_dtype
+
+            def cast(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+                return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                                else t, (args, kwargs))
+
+            self.model.register_forward_pre_hook(cast, with_kwargs=True)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        self._full_precision_model("state_dict")
+        return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self._full_precision_model("load_state_dict")
+        super().load_state_dict(*args, **kwargs)
+
+    def _full_precision_model(self, what: str) -> None:
+        if self._param_dtype != torch.float32:
+            raise PlannerError(f"PartialShardExecutor.{what}() with mp_policy param_dtype = {self._param_dtype}: the "
+                               "checkpoint restores the float32 slices from the model, which holds "
+                               f"{self._param_dtype}; checkpoint without mp_policy (or with param_dtype=torch.float32)")
+
+    # ---- gradients: views of the buckets -----------------------------------------------------------
+    @staticmethod
+    def _attach(p: nn.Parameter, view: torch.Tensor) -> None:
+        """Make ``p.grad`` the bucket's view of it (holding what ``p.grad`` held; zero if None)."""
+        grad = p.grad
+        if grad is None:
+            view.zero_()
+        elif grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)  # a gradient autograd allocated (the views were detached): once
+        else:
+            return
+        p.grad = view
+
+    def _attach_grads(self) -> None:
+        """Zero the buckets and make every parameter's ``.grad`` its view (autograd accumulates into it)."""
+        for u in self._units:
+            u.flat_grad.zero_()
+            for p, view in zip(u.params, u.grad_views):
+                p.grad = view
+
     # ---- the gradient-ready point ----------------------------------------------------------------
-    def _on_param_grad(self, unit: _PartialUnit) -> None:
+    def _on_param_grad(self, unit: _Bucket, p: nn.Parameter, view: torch.Tensor) -> None:
+        self._attach(p, view)
         if not self._sync:
             return
         self._begin_backward()
@@ -163,39 +261,77 @@ class PartialShardExecutor(SliceExecutor):
             unit.num_accumulated = 0
             self._on_unit_grad(unit)
 
-    def _on_unit_grad(self, unit: _PartialUnit) -> None:
-        """Flatten and free the unit's gradient, reduce-scatter it in the node, hand the node slice on."""
-        flat = unit.slice_param.new_zeros(self._shard_size * unit.node_chunk)
-        for p, piece in zip(unit.params, flat[:unit.total].split(unit.numels)):
-            if p.grad is not None:
-                piece.copy_(p.grad.reshape(-1))
-                p.grad = None
-        send = self._rs_buffer(unit, flat.dtype)
-        with record_function(SHARD.GRAD_REDUCE_SCATTER.label):  # in the node: synchronous, fast tier
-            REDUCE_SCATTER(send[:unit.node_chunk], flat, op=dist.ReduceOp.AVG, group=self._shard_group)
-        self._grad_ready(unit, send)
+    def _on_unit_grad(self, unit: _Bucket) -> None:
+        """Launch the bucket's in-node reduce-scatter; hand the previous bucket on across nodes."""
+        self._clock.unit_backward_enter(unit.plan_index, time.perf_counter())
+        if unit.ready or unit.pending_node_rs is not None:
+            raise PlannerError(f"{type(self).__name__}: a second synced backward before step() (unit {unit.name!r} "
+                               "already has its gradient); call step() after each synced backward, or use "
+                               "set_requires_gradient_sync(False) for the micro-batches that only accumulate")
+        self._begin_backward()
+        grads = unit.flat_grad if unit.flat_reduce is None else unit.flat_reduce.copy_(unit.flat_grad)
+        with record_function(SHARD.GRAD_REDUCE_SCATTER.label):  # in the node, async: mean over S
+            unit.pending_node_rs = REDUCE_SCATTER(unit.node_grad[:unit.node_chunk], grads,
+                                                  op=dist.ReduceOp.AVG, group=self._shard_group, async_op=True)
+        self._hand_on(keep=0)
+        self._handing.append(unit)
+        self._fire(unit.name)  # the exchanges due here: their units were handed on above (this one is carried)
+        self._clock.unit_backward_exit(time.perf_counter())
+
+    def _hand_on(self, keep: int) -> None:
+        """The buckets whose in-node reduce-scatter was launched before the last ``keep``: wait for it
+        (the fast tier had a bucket's backward to finish it) and launch the cross-node reduce-scatter
+        of the node slice, in hook order (the same on every rank)."""
+        while len(self._handing) > keep:
+            u = self._handing.pop(0)
+            with record_function(SHARD.GRAD_WAIT.label):
+                u.pending_node_rs.wait()
+            u.pending_node_rs = None
+            self._grad_ready(u, u.node_grad, clocked=False)
 
     def _end_of_backward(self) -> None:
         for u in reversed(self._units):  # units only partly reached by this backward
             if u.num_accumulated:
                 u.num_accumulated = 0
+                for p, view in zip(u.params, u.grad_views):
+                    self._attach(p, view)
                 self._on_unit_grad(u)
+        self._hand_on(keep=0)
         super()._end_of_backward()
 
     def zero_grad(self) -> None:
         super().zero_grad()
         for u in self._units:
             u.num_accumulated = 0
+            if u.pending_node_rs is not None:
+                with record_function(SHARD.GRAD_WAIT.label):
+                    u.pending_node_rs.wait()
+                u.pending_node_rs = None
+        self._handing = []
+        self._attach_grads()
+
+    def step(self) -> float | None:
+        norm = super().step()
+        for u in self._units:  # the buckets keep their memory; .grad is None between steps (zero_grad re-attaches)
+            for p in u.params:
+                p.grad = None
+        return norm
 
     # ---- the model side of an exchange ------------------------------------------------------
-    def _apply_gathered(self, unit: _PartialUnit, gathered: torch.Tensor) -> None:
-        out = gathered.new_empty(self._shard_size * unit.node_chunk)
-        with record_function(SHARD.PARAM_ALL_GATHER.label):  # in the node: synchronous, fast tier
-            ALL_GATHER(out, gathered[:unit.node_chunk], group=self._shard_group)
-        with torch.no_grad():
-            for p, piece in zip(unit.params, out[:unit.total].split(unit.numels)):
-                p.copy_(piece.view_as(p))
+    def _ag_buffer(self, unit: _Bucket, send: torch.Tensor) -> torch.Tensor:
+        return unit.node_param
 
-    def _model_values(self, unit: _PartialUnit) -> torch.Tensor:
-        flat = torch.cat([p.detach().reshape(-1) for p in unit.params])
-        return flat[unit.offset:unit.offset + unit.numel]
+    def _apply_gathered(self, unit: _Bucket, gathered: torch.Tensor) -> None:
+        with record_function(SHARD.PARAM_ALL_GATHER.label):  # in the node, async: straight into the parameters
+            unit.pending_node_ag = ALL_GATHER(unit.flat_param, gathered[:unit.node_chunk], group=self._shard_group,
+                                              async_op=True)
+
+    def _finish(self, unit: _Bucket, *, wait_model: bool = True) -> None:
+        super()._finish(unit)
+        if wait_model and unit.pending_node_ag is not None:
+            with record_function(SHARD.PARAM_WAIT.label):
+                unit.pending_node_ag.wait()
+            unit.pending_node_ag = None
+
+    def _model_values(self, unit: _Bucket) -> torch.Tensor:
+        return unit.flat_param[unit.offset:unit.offset + unit.numel]
