@@ -194,7 +194,11 @@ def test_auto_ranks_agree_and_the_schedule_follows_the_decisions(results):
         assert steps[0] == 1
         for i in range(1, len(steps)):
             assert steps[i] - steps[i - 1] == periods[i], (options, steps, periods)
-        assert [d["step"] + ahead for d in decisions] == steps[ahead : ahead + len(decisions)]
+        # average-then-step: a decision at the run's last step averages for a step that never runs; which
+        # steps decide depends on the measured K, so at most that one decision has no reconciliation after it
+        ran = [d for d in decisions if d["step"] + ahead <= len(mine["kinds"])]
+        assert len(decisions) - len(ran) <= ahead and decisions[: len(ran)] == ran
+        assert [d["step"] + ahead for d in ran] == steps[ahead : ahead + len(ran)]
         cfg = SyncConfig(period="auto", **{k: v for k, v in options.items() if k != "strategy"})
         previous = None
         for d in decisions:  # the recorded numbers give the recorded K under the documented rule
