@@ -43,8 +43,8 @@ pytestmark = pytest.mark.timeout(120)
                                     "step-then-average"),
         ({"warmup_steps": -1}, "warmup_steps must be an integer >= 0, got -1: pass 0 for no "
                                "warm-up"),
-        ({"slowmo_momentum": 1.0}, "slowmo_momentum must be in [0, 1), got 1.0: SlowMo's β is "
-                                   "usually 0.5-0.8"),
+        ({"slowmo_momentum": 1.0}, "slowmo_momentum must be in [0, 1) or None, got 1.0: pass None for "
+                                   "the measured default by replicas (slowmo_beta_for), or e.g. 0.2"),
         ({"slowmo_lr": 0}, "slowmo_lr must be > 0, got 0: pass 1.0 for SlowMo's default α"),
         ({"buffers": "sum"}, "unknown buffers 'sum': choose one of average, broadcast, local"),
         ({"optimizer_state": "drop"}, "unknown optimizer_state 'drop': choose one of keep, "

@@ -15,7 +15,7 @@ from torch import nn
 from torch.optim import lr_scheduler
 
 from cpdpkit.errors import ConfigError
-from cpdpkit.sync import PeriodicSyncOptimizer, SyncConfig
+from cpdpkit.sync import PeriodicSyncOptimizer, SyncConfig, slowmo_beta_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -92,14 +92,33 @@ def test_config_and_keyword_forms_give_equal_config(world1):
         config=SyncConfig(strategy="slowmo", period=3, warmup_steps=2, timeout_s=30))
     assert by_kw.config == by_cfg.config
     assert by_kw.config.to_dict() == {
-        "strategy": "slowmo", "period": 3, "warmup_steps": 2, "slowmo_momentum": 0.5,
+        "strategy": "slowmo", "period": 3, "warmup_steps": 2, "slowmo_momentum": 0.0,  # 1 replica's default
         "slowmo_lr": 1.0, "buffers": "average", "optimizer_state": "keep",
         "bucket_cap_mb": 25.0, "timeout_s": 30, "overlap_steps": 0, "target_exposed_frac": 0.05,
         "k_min": 1, "k_max": 8, "max_divergence": None, "check_replicas": False,
         "cpdp_order": "average-then-step", "outer_optimizer": "slowmo", "outer_lr": None,
         "outer_momentum": None, "compression": "none"}
     plain = PeriodicSyncOptimizer(torch.optim.SGD(m3.parameters(), lr=0.1), model=m3)
-    assert plain.config == SyncConfig()  # the defaults are SyncConfig's
+    assert plain.config == SyncConfig().resolved(1)  # the defaults are SyncConfig's, β decided for 1 replica
+
+
+def test_default_beta_is_the_measured_table_by_replicas_and_an_explicit_one_is_kept(world1, monkeypatch):
+    import cpdpkit.sync.config as sync_config
+
+    assert SyncConfig().slowmo_momentum is None  # decided at construction, from the replicas averaged
+    assert [slowmo_beta_for(n) for n in (1, 2, 4, 8, 16)] == [0.0] * 5  # docs/results.md: 0 at 2, 4, 8
+    monkeypatch.setattr(sync_config, "SLOWMO_BETAS", ((1, 0.0), (4, 0.2), (8, 0.5)))  # a table by replicas
+    assert [SyncConfig().resolved(n).slowmo_momentum for n in (1, 3, 4, 7, 8, 64)] == [0.0, 0.0, 0.2, 0.2, 0.5, 0.5]
+    assert SyncConfig(slowmo_momentum=0.6).resolved(8).slowmo_momentum == 0.6
+    m1, m2 = _model(), _model()
+    by_default = PeriodicSyncOptimizer(torch.optim.SGD(m1.parameters(), lr=0.1), model=m1, strategy="cpdp")
+    given = PeriodicSyncOptimizer(torch.optim.SGD(m2.parameters(), lr=0.1), model=m2, strategy="cpdp",
+                                  slowmo_momentum=0.5)
+    assert by_default.config.slowmo_momentum == 0.0 and given.config.slowmo_momentum == 0.5
+    # the number the run used is what its checkpoint records, and a β = 0.5 checkpoint (the old default) loads
+    assert by_default.state_dict()["cpdpkit"]["config"]["slowmo_momentum"] == 0.0
+    by_default.load_state_dict(given.state_dict())
+    assert by_default.config.slowmo_momentum == 0.0
 
 
 # -- the torch.optim.Optimizer surface ------------------------------------------------------

@@ -57,7 +57,9 @@ __all__ = [
     "STATE_POLICIES",
     "CPDP_ORDERS",
     "OUTER_OPTIMIZERS",
+    "SLOWMO_BETAS",
     "is_torch_optimizer_name",
+    "slowmo_beta_for",
     "StepKind",
     "SyncConfig",
 ]
@@ -67,6 +69,18 @@ BUFFER_POLICIES = ("average", "broadcast", "local")
 STATE_POLICIES = ("keep", "average", "reset")
 CPDP_ORDERS = ("average-then-step", "step-then-average")
 OUTER_OPTIMIZERS = ("slowmo", "diloco")  # named outer steps; any torch.optim class name too
+
+# SlowMo's β when ``slowmo_momentum`` is None (the default), by the number of replicas averaged: one row
+# (least replicas, β) per measured regime (docs/results.md, "Issue 23, 2026-12-03": β x K at 2, 4 and 8
+# replicas on stdlib-text and MNIST-1D, K = 2, 4, 8, inner SGD momentum 0.9). β = 0 was the best or within a
+# seed's noise of it at every point; 0.5 (SlowMo's paper, fairscale's 8-node value at K = 48) lost 0.7-3.5 pp
+# or collapsed. 16+ replicas were not measured.
+SLOWMO_BETAS: tuple[tuple[int, float], ...] = ((1, 0.0),)
+
+
+def slowmo_beta_for(replicas: int) -> float:
+    """SlowMo's default β for ``replicas`` replicas (:data:`SLOWMO_BETAS`: the last row whose least count fits)."""
+    return [beta for least, beta in SLOWMO_BETAS if is_int(replicas) and replicas >= least][-1]
 
 
 def is_torch_optimizer_name(name: str) -> bool:
@@ -101,7 +115,10 @@ class SyncConfig:
     """Everything that decides when and how :class:`PeriodicSyncOptimizer` communicates.
 
     ``period`` is K (steps between reconciliations); ``warmup_steps`` is W;
-    ``slowmo_momentum`` is β and ``slowmo_lr`` is α of SlowMo. ``bucket_cap_mb`` bounds one
+    ``slowmo_momentum`` is β and ``slowmo_lr`` is α of SlowMo. β ``None`` (the default) is the measured
+    default for the number of replicas averaged (:func:`slowmo_beta_for`: 0 at 2 to 8), resolved by
+    ``PeriodicSyncOptimizer`` at construction (:meth:`resolved`), so ``opt.config`` and its checkpoints hold
+    the number; an explicit β is used as given. ``bucket_cap_mb`` bounds one
     all-reduce's payload, as DDP's argument of the same name. ``timeout_s`` bounds every
     wait on a collective (``None``: the process group's own timeout).
 
@@ -140,7 +157,7 @@ class SyncConfig:
     strategy: str = "cpdp"
     period: int | str | None = None  # None: 1 for ddp (it has no period), else 4
     warmup_steps: int = 0
-    slowmo_momentum: float = 0.5
+    slowmo_momentum: float | None = None  # None: slowmo_beta_for(replicas), at construction (resolved)
     slowmo_lr: float = 1.0
     buffers: str = "average"
     optimizer_state: str = "keep"
@@ -189,10 +206,11 @@ class SyncConfig:
                 f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}: "
                 "pass 0 for no warm-up"
             )
-        if not 0.0 <= float(self.slowmo_momentum) < 1.0:
+        if self.slowmo_momentum is not None and (isinstance(self.slowmo_momentum, bool)
+                                                 or not 0.0 <= float(self.slowmo_momentum) < 1.0):
             raise ConfigError(
-                f"slowmo_momentum must be in [0, 1), got {self.slowmo_momentum!r}: "
-                "SlowMo's β is usually 0.5-0.8"
+                f"slowmo_momentum must be in [0, 1) or None, got {self.slowmo_momentum!r}: "
+                "pass None for the measured default by replicas (slowmo_beta_for), or e.g. 0.2"
             )
         if not float(self.slowmo_lr) > 0.0:
             raise ConfigError(
@@ -285,6 +303,12 @@ class SyncConfig:
                 f"max_divergence must be > 0 or None, got {self.max_divergence!r}: e.g. 0.01, or "
                 "None to let only the exposed-time target choose K"
             )
+
+    def resolved(self, replicas: int) -> SyncConfig:
+        """This config with β decided: :func:`slowmo_beta_for` ``replicas`` when ``slowmo_momentum`` is None."""
+        if self.slowmo_momentum is not None:
+            return self
+        return dataclasses.replace(self, slowmo_momentum=slowmo_beta_for(replicas))
 
     # -- schedule ---------------------------------------------------------------------
     @property

@@ -155,6 +155,7 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         self._comm = Communicator(group, timeout_s=timeout_s)
         self._fast = Communicator(fast_group, timeout_s=timeout_s) if fast_group else None
         self._slow = Communicator(slow_group, timeout_s=timeout_s) if slow_group else self._comm
+        self.config = self.config.resolved(self._slow.size)  # β None: the measured default for these replicas
         self._step = 0
         self._counts = {"local_steps": 0, "reconciliations": 0, "gradient_syncs": 0}
         self._extra_bytes = 0

@@ -6,7 +6,10 @@ and 10,000 test sequences of length 40 (``--quick``: 1,000 and 1,000), so one ru
 has a binomial standard error of at most 0.5 pp. ``get_dataset``, which downloads, is never called.
 Generation takes ~10-20 s on a loaded 2-core machine, so the bench generates once per work folder
 into ``<data_dir>/mnist1d-<train>-<test>-seed42.npz`` (written then renamed; read back with
-``allow_pickle=False`` after a size check) and every rank reads that file.
+``allow_pickle=False`` after a size check) and every rank reads that file. A run's ``dataset_info`` records
+the arrays' sha256 and the versions of ``mnist1d``, numpy and scipy that generated them (:func:`data_digest`):
+the same seed gives the same numbers only on the same data, and ``tests/test_bench_mnist1d.py`` checks the
+generated data against recorded digests.
 
 The model (:mod:`cpdpkit.bench.models.cnn1d`) is the MNIST-1D paper's CNN (its ``ConvBase``): three
 1-D convolutions of 25 channels (kernel 5 stride 2, kernel 3 stride 2, kernel 3 stride 2, padding 1, ReLU)
@@ -17,7 +20,9 @@ sequence by a random offset in ``[-MAX_SHIFT, MAX_SHIFT]``, filling with zeros (
 
 from __future__ import annotations
 
+import hashlib
 import os
+from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +31,8 @@ import torch
 from cpdpkit.bench.data.dataset import Dataset, check_dataset_packages
 from cpdpkit.errors import ConfigError
 
-__all__ = ["MAX_SHIFT", "MNIST1D_SIZES", "SEQUENCE_LENGTH", "check_mnist1d", "load_mnist1d", "random_shift"]
+__all__ = ["MAX_SHIFT", "MNIST1D_SIZES", "SEQUENCE_LENGTH", "check_mnist1d", "data_digest", "generator_versions",
+           "load_mnist1d", "random_shift"]
 
 MNIST1D_SIZES = {False: (4000, 10000), True: (1000, 1000)}  # (train, test) by --quick
 MAX_SHIFT = 4
@@ -49,6 +55,19 @@ def _generate(num_train: int, num_test: int) -> tuple[np.ndarray, ...]:
     data = make_dataset(args)  # offline: templates in code, numpy draws from the seed
     return (data["x"].astype(np.float32), data["y"].astype(np.int64),
             data["x_test"].astype(np.float32), data["y_test"].astype(np.int64))
+
+
+def generator_versions() -> dict[str, str]:
+    """The versions of the packages whose code generates the data (``make_dataset``'s numpy draws, scipy's filters)."""
+    return {name: metadata.version(name) for name in ("mnist1d", "numpy", "scipy")}
+
+
+def data_digest(arrays: tuple[np.ndarray, ...]) -> str:
+    """sha256 of ``(x, y, x_test, y_test)``'s bytes, in that order."""
+    digest = hashlib.sha256()
+    for a in arrays:
+        digest.update(np.ascontiguousarray(a).tobytes())
+    return digest.hexdigest()
 
 
 def _read(path: Path, num_train: int, num_test: int) -> tuple[np.ndarray, ...] | None:
@@ -78,7 +97,8 @@ def load_mnist1d(data_dir: str | Path | None, *, quick: bool = False) -> Dataset
             os.replace(tmp, cache)
     x, y, x_test, y_test = (torch.from_numpy(a) for a in arrays)
     return Dataset("mnist1d", x.unsqueeze(1), y, x_test.unsqueeze(1), y_test, 10,
-                   info={"generator": "mnist1d.make_dataset", "seed": _SEED, "train": num_train, "test": num_test})
+                   info={"generator": "mnist1d.make_dataset", "seed": _SEED, "train": num_train, "test": num_test,
+                         "data_sha256": data_digest(arrays), "versions": generator_versions()})
 
 
 def random_shift(x: torch.Tensor, generator: torch.Generator, *, max_shift: int = MAX_SHIFT) -> torch.Tensor:

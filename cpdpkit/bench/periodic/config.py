@@ -19,7 +19,7 @@ from cpdpkit.bench.data.text import check_corpus
 from cpdpkit.bench.models import check_model_available
 from cpdpkit.bench.periodic.faults import CHECKPOINT_EVERY, parse_fault
 from cpdpkit.errors import ConfigError
-from cpdpkit.sync.config import OUTER_OPTIMIZERS, STATE_POLICIES, SyncConfig, is_torch_optimizer_name
+from cpdpkit.sync.config import OUTER_OPTIMIZERS, STATE_POLICIES, SyncConfig, is_torch_optimizer_name, slowmo_beta_for
 from cpdpkit.topology import PRESETS
 
 __all__ = ["BENCH_STRATEGIES", "DEFAULT_STRATEGIES", "LR_SCHEDULES", "OUTER_STEP", "PERIODIC", "SYNC_KEYS",
@@ -36,18 +36,6 @@ PERIODIC = ("localsgd-torch", "localsgd", "slowmo", "cpdp", "cpdp-overlap", "slo
 LR_SCHEDULES = ("constant", "cosine", "step")  # built by cpdpkit.bench.periodic.strategies.build_lr_scheduler
 # the strategies with an outer step: swept over --slowmo-momentum and --outer-lr
 OUTER_STEP = ("slowmo", "cpdp", "cpdp-overlap", "cpdp-auto", "slowmo-overlap", "cpdp-step-then-average")
-# β by replicas, as measured (docs/results.md, "Issue 23, 2026-12-03": β x K at 2 and 8 replicas on stdlib-text,
-# at 2, 4 and 8 on mnist1d): with inner momentum 0.9 kept across reconciliations and K <= 8, β = 0 is the best
-# or within a seed's noise of it at every point, and 0.5 loses 0.7-3.5 pp (stdlib-text) or collapses (mnist1d,
-# 4 and 8 replicas). So 0 at every count; fairscale's table (0.5 at 8 nodes, 0.6 at 16+, at K=48) did not
-# hold at 8 here, and 16+ replicas were not measured. A row (least replicas, β) per measured regime.
-_SLOWMO_BETAS = ((1, 0.0),)
-
-
-def slowmo_beta_for(replicas: int) -> float:
-    """SlowMo's β for ``replicas`` replicas (the bench's default --slowmo-momentum; :data:`_SLOWMO_BETAS`)."""
-    return next(beta for least, beta in _SLOWMO_BETAS if is_int(replicas) and replicas >= least)
-
 
 # The most runs one bench command may hold (each a launched job): a bound, checked before any is built.
 MAX_RUNS = 10_000
@@ -124,7 +112,7 @@ class BenchConfig:
     batch_size: int = 128
     lr: float = 0.1
     momentum: float = 0.9
-    # SlowMo's β: one value, a tuple (swept like periods), or None: by the number of replicas (slowmo_beta_for)
+    # SlowMo's β: one value, a tuple (swept like periods), or None: by replicas (cpdpkit.sync.slowmo_beta_for)
     slowmo_momentum: float | tuple[float, ...] | None = None
     slowmo_lr: float = 1.0
     outer_optimizer: str = "slowmo"  # slowmo | diloco | a torch.optim class name (slowmo and cpdp)
