@@ -90,8 +90,10 @@ def _job(rank: int, world: int) -> dict[str, Any]:
     return {
         "counts": _collectives_of_checks(rank),
         "ddp": _corrupted(rank, {"strategy": "ddp"}, _bump_param, 4),
-        "cpdp": _corrupted(rank, {"strategy": "cpdp"}, _bump_slow_momentum, 6),
-        "slowmo-overlap": _corrupted(rank, {"strategy": "slowmo", "overlap_steps": 1}, _bump_slow_momentum, 6),
+        # a corrupted SlowMo momentum u changes the parameters only with β > 0 (the default β is 0: not here)
+        "cpdp": _corrupted(rank, {"strategy": "cpdp", "slowmo_momentum": 0.5}, _bump_slow_momentum, 6),
+        "slowmo-overlap": _corrupted(rank, {"strategy": "slowmo", "overlap_steps": 1, "slowmo_momentum": 0.5},
+                                     _bump_slow_momentum, 6),
         "localsgd": _corrupted(rank, {"strategy": "localsgd"}, _faulty_average, 6),
         "localsgd-local-change": _corrupted(rank, {"strategy": "localsgd"}, _bump_param, 4),
     }

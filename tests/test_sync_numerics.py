@@ -206,7 +206,8 @@ def test_checkpoint_resume_is_bit_identical(two_ranks):
 
 def test_param_groups_and_lr_scheduler(two_ranks):
     results = two_ranks["scheduler"]
-    w = Workload(strategy="cpdp", optimizer="sgd2groups", period=2, steps=8)
+    # the optimizer takes SyncConfig's default β: the measured one for 2 replicas, 0 (cpdpkit.sync.slowmo_beta_for)
+    w = Workload(strategy="cpdp", optimizer="sgd2groups", period=2, steps=8, beta=0.0)
     ref = simulate(w, 2, schedulers=lambda o: torch.optim.lr_scheduler.StepLR(o, 3, 0.5))
     for rank in range(2):
         for attach in ("inner", "wrapper"):
