@@ -34,9 +34,10 @@ DEFAULT_STRATEGIES = BENCH_STRATEGIES[:-2]
 # run at every K of --periods; cpdp-auto picks its own K (period None)
 PERIODIC = ("localsgd-torch", "localsgd", "slowmo", "cpdp", "cpdp-overlap", "slowmo-overlap",
             "cpdp-step-then-average")
-# ours at a fixed K: swept over --compression and split into --fragments (cpdp-auto's controller rides in an
-# uncompressed average; ddp and localsgd-torch are torch's own)
+# ours at a fixed K: swept over --compression and (but for cpdp-step-then-average) split into --fragments
+# (cpdp-auto's controller rides in an uncompressed average; ddp and localsgd-torch are torch's own)
 COMPRESSIBLE = ("localsgd", "slowmo", "cpdp", "cpdp-overlap", "slowmo-overlap", "cpdp-step-then-average")
+FRAGMENTABLE = COMPRESSIBLE[:-1]  # the step-then-average order all-reduces every gradient at once
 LR_SCHEDULES = ("constant", "cosine", "step")  # built by cpdpkit.bench.periodic.strategies.build_lr_scheduler
 # the strategies with an outer step: swept over --slowmo-momentum and --outer-lr
 OUTER_STEP = ("slowmo", "cpdp", "cpdp-overlap", "cpdp-auto", "slowmo-overlap", "cpdp-step-then-average")
@@ -312,6 +313,10 @@ class BenchConfig:
         if not is_int(self.fragments) or self.fragments < 1:
             raise ConfigError(f"--fragments must be an integer >= 1, got {self.fragments!r}: e.g. --fragments 4 "
                               "(1: the whole model at once)")
+        if self.fragments > 1 and self.optimizer_state != "keep":
+            raise ConfigError(f"--fragments {self.fragments} with --optimizer-state {self.optimizer_state}: a policy "
+                              "on the whole optimizer cannot follow fragments; use --optimizer-state keep or "
+                              "--fragments 1")
 
     def _check_sync_options(self) -> None:
         self._check_compression()
@@ -361,8 +366,9 @@ class BenchConfig:
             parts += ([f"β={beta:g}"] if len(self.betas) > 1 else []) + (
                 [f"outer lr={outer_lr:g}"] if len(self.outer_lrs) > 1 and outer_lr is not None else [])
         if strategy in COMPRESSIBLE:
-            parts += ([codec] if codec != "none" else []) + (
-                [f"fragments={self.fragments}"] if self.fragments > 1 else [])
+            parts += [codec] if codec != "none" else []
+        if strategy in FRAGMENTABLE and self.fragments > 1:
+            parts.append(f"fragments={self.fragments}")
         return " ".join(parts) or None
 
     def _spec(self, topology: str, seed: int, strategy: str, period: int | None, beta: float,
@@ -375,7 +381,7 @@ class BenchConfig:
                        epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
                        momentum=self.momentum, variant=self._variant(strategy, beta, outer_lr, codec),
                        sync=dataclasses.replace(self.sync, slowmo_momentum=beta, outer_lr=outer_lr, compression=codec,
-                                                fragments=self.fragments if strategy in COMPRESSIBLE else 1),
+                                                fragments=self.fragments if strategy in FRAGMENTABLE else 1),
                        quick=self.quick, profile_dir=profile_dir, lr_schedule=self.lr_schedule, augment=self.augment,
                        max_images=self.max_images, overlap_steps=self.overlap_steps, topology=topology,
                        fault=self.inject_fault,
