@@ -11,13 +11,13 @@
 from __future__ import annotations
 
 import io
-import math
 
 import pytest
 import torch
 from torch import nn
 
 from _ranks import RANKS_TIMEOUT_S, share_ranks
+from _sync_helpers import int8_reference, max_diff, topk_reference, train
 from cpdpkit.sync import PeriodicSyncOptimizer
 from cpdpkit.sync._codec import Codec
 from sync_reference import batch, make_model
@@ -32,17 +32,11 @@ def _build(codec: str, momentum: float = 0.0, cap_mb: float = 25.0) -> tuple[nn.
                                         compression=codec, bucket_cap_mb=cap_mb, timeout_s=60)
 
 
-def _train(opt: PeriodicSyncOptimizer, model: nn.Module, rank: int, steps: range) -> None:
-    for n in steps:
-        opt.zero_grad()
-        x, y = batch(rank, n)
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
 
 
 def _run(rank: int, codec: str) -> dict:
     model, opt = _build(codec)
-    _train(opt, model, rank, range(1, STEPS + 1))
+    train(opt, model, rank, range(1, STEPS + 1))
     return {"params": [p.detach().clone() for p in model.parameters()], "bytes": opt.stats.bytes_sent,
             "syncs": opt.stats.gradient_syncs, "reconciliations": opt.stats.reconciliations}
 
@@ -50,17 +44,17 @@ def _run(rank: int, codec: str) -> dict:
 def _resume(rank: int) -> dict:
     """int8 with momentum 0.9, saved after step 7 (gradient codes sent at steps 3 and 6), resumed fresh."""
     model, opt = _build("int8", momentum=0.9, cap_mb=0.0003)  # 314-byte buckets: several gradient residuals
-    _train(opt, model, rank, range(1, STEPS + 1))
+    train(opt, model, rank, range(1, STEPS + 1))
     straight = [p.detach().clone() for p in model.parameters()]
     model, opt = _build("int8", momentum=0.9, cap_mb=0.0003)
-    _train(opt, model, rank, range(1, 8))
+    train(opt, model, rank, range(1, 8))
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
     ckpt = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
     model, opt = _build("int8", momentum=0.9, cap_mb=0.0003)
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["opt"])
-    _train(opt, model, rank, range(8, STEPS + 1))
+    train(opt, model, rank, range(8, STEPS + 1))
     return {"straight": straight, "resumed": [p.detach().clone() for p in model.parameters()],
             "grad_residuals": ckpt["opt"]["cpdpkit"]["grad_residuals"]}
 
@@ -79,21 +73,8 @@ def results(sync_ranks):
 
 
 # -- the independent reference ------------------------------------------------------------------
-def _int8(p: torch.Tensor, block: int = 256) -> torch.Tensor:
-    n = p.numel()
-    padded = torch.cat([p, p.new_zeros(-n % block)]).view(-1, block)
-    scale = padded.abs().max(dim=1, keepdim=True).values / 127.0
-    q = torch.where(scale > 0, torch.round(padded / torch.where(scale > 0, scale, 1.0)), 0.0)
-    return (q * scale).reshape(-1)[:n]
 
 
-def _topk(p: torch.Tensor, frac: float) -> torch.Tensor:
-    k = math.ceil(frac * p.numel())
-    idx = p.abs().argsort(descending=True)[:k]
-    scale = p[idx].abs().max() / 127.0
-    out = torch.zeros_like(p)
-    out[idx] = torch.round(p[idx] / scale) * scale
-    return out
 
 
 def _reference(quantise, *, grads: bool, world: int = 2) -> list[list[torch.Tensor]]:
@@ -150,22 +131,20 @@ def _reference(quantise, *, grads: bool, world: int = 2) -> list[list[torch.Tens
     return [[p.detach().clone() for p in ps] for ps in params]
 
 
-def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
 
 
 @pytest.mark.timeout(RANKS_TIMEOUT_S)
 @pytest.mark.parametrize("codec", ["int8", "topk:0.1"])
 def test_compressed_gradients_equal_an_independent_reference(results, codec):
-    quantise = _int8 if codec == "int8" else (lambda p: _topk(p, 0.1))
+    quantise = int8_reference if codec == "int8" else (lambda p: topk_reference(p, 0.1))
     ref = _reference(quantise, grads=True)
     params_only = _reference(quantise, grads=False)
     for rank, res in enumerate(results):
-        diff = _max_diff(res[codec]["params"], ref[rank])
+        diff = max_diff(res[codec]["params"], ref[rank])
         assert diff <= 1e-6, f"rank {rank}: {codec}: max |ours - reference| = {diff:.3g}"
         # the gradient codec changes the result (else the reference proves nothing about it)
-        assert _max_diff(res[codec]["params"], params_only[rank]) > 1e-5
-    assert _max_diff(results[0][codec]["params"], results[1][codec]["params"]) > 0.0  # local steps after the last sync
+        assert max_diff(res[codec]["params"], params_only[rank]) > 1e-5
+    assert max_diff(results[0][codec]["params"], results[1][codec]["params"]) > 0.0  # local steps after the last sync
 
 
 @pytest.mark.timeout(RANKS_TIMEOUT_S)

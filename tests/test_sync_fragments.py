@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from _ranks import RANKS_TIMEOUT_S, share_ranks
+from _sync_helpers import max_diff, train
 from cpdpkit.errors import ConfigError
 from cpdpkit.sync import PeriodicSyncOptimizer, SyncConfig
 from cpdpkit.sync._fragments import check_fragments, split_params
@@ -28,12 +29,6 @@ from sync_reference import batch, make_model
 K, STEPS, LR, BETA = 4, 14, 0.05, 0.5
 
 
-def _train(opt: PeriodicSyncOptimizer, model: nn.Module, rank: int, steps: range) -> None:
-    for n in steps:
-        opt.zero_grad()
-        x, y = batch(rank, n)
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
 
 
 def _run(rank: int, strategy: str, fragments: int, overlap: int) -> list[torch.Tensor]:
@@ -41,7 +36,7 @@ def _run(rank: int, strategy: str, fragments: int, overlap: int) -> list[torch.T
     opt = PeriodicSyncOptimizer(torch.optim.SGD(model.parameters(), lr=LR), model=model, strategy=strategy,
                                 period=K, fragments=fragments, overlap_steps=overlap, slowmo_momentum=BETA,
                                 timeout_s=60)
-    _train(opt, model, rank, range(1, STEPS + 1))
+    train(opt, model, rank, range(1, STEPS + 1))
     opt.flush()
     return [p.detach().clone() for p in model.parameters()]
 
@@ -77,17 +72,17 @@ def _build_resumable() -> tuple[nn.Module, PeriodicSyncOptimizer]:
 
 def _resume(rank: int) -> dict:
     model, opt = _build_resumable()
-    _train(opt, model, rank, range(1, STEPS + 1))
+    train(opt, model, rank, range(1, STEPS + 1))
     straight = [p.detach().clone() for p in model.parameters()]
     model, opt = _build_resumable()
-    _train(opt, model, rank, range(1, 7))
+    train(opt, model, rank, range(1, 7))
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
     ckpt = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
     model, opt = _build_resumable()
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["opt"])
-    _train(opt, model, rank, range(7, STEPS + 1))
+    train(opt, model, rank, range(7, STEPS + 1))
     saved = ckpt["opt"]["cpdpkit"]["fragments"]
     fresh = make_model(0)
     whole = PeriodicSyncOptimizer(torch.optim.SGD(fresh.parameters(), lr=LR, momentum=0.9), model=fresh,
@@ -209,8 +204,6 @@ def _reference(strategy: str, fragments: int, tau: int, world: int = 2) -> list[
     return [[p.detach().clone() for p in ps] for ps in params]
 
 
-def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
 
 
 @pytest.mark.timeout(RANKS_TIMEOUT_S)
@@ -223,10 +216,10 @@ def test_fragments_equal_an_independent_reference(results, strategy, fragments, 
                                                      for f in range(fragments)]
     ref = _reference(strategy, fragments, tau)
     for rank, res in enumerate(results):
-        diff = _max_diff(res["runs"][(strategy, fragments, tau)], ref[rank])
+        diff = max_diff(res["runs"][(strategy, fragments, tau)], ref[rank])
         assert diff <= 1e-6, f"rank {rank}: {strategy} F={fragments} τ={tau}: max |ours - reference| = {diff:.3g}"
     if (strategy, tau) == ("cpdp", 0):  # fragments change the trajectory (else the reference proves little)
-        assert _max_diff(results[0]["runs"][("cpdp", fragments, 0)], results[0]["runs"][("cpdp", 1, 0)]) > 1e-5
+        assert max_diff(results[0]["runs"][("cpdp", fragments, 0)], results[0]["runs"][("cpdp", 1, 0)]) > 1e-5
 
 
 @pytest.mark.timeout(RANKS_TIMEOUT_S)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,6 +39,22 @@ class Part:
     flat: SegmentedParameters
     reconciler: Reconciler
     buckets: GradientBuckets | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Its anchor and SlowMo momentum, its reconciler's state, and cpdp's gradient residuals (one per bucket)."""
+        feedback = self.buckets.feedback if self.buckets is not None else None
+        return {**self.flat.slowmo_state(), **self.reconciler.state_dict(),
+                "grad_residuals": feedback.state() if feedback is not None else None}
+
+    def load_state_dict(self, own: dict[str, Any], step: int, *, capture: bool | None) -> None:
+        """Restore :meth:`state_dict`; ``capture`` (not None): take the anchor now, with a slow momentum when True,
+        if the state holds none."""
+        self.flat.load_slowmo_state(own)
+        if capture is not None and own.get("anchor") is None:
+            self.flat.capture_anchor(momentum=capture)
+        self.reconciler.load_state_dict(own, step)
+        if self.buckets is not None and self.buckets.feedback is not None:
+            self.buckets.feedback.load(own.get("grad_residuals"))
 
 
 def fragment_offset(f: int, fragments: int, period: int) -> int:

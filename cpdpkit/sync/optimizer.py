@@ -51,7 +51,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from cpdpkit.errors import ConfigError
 from cpdpkit.labels import SYNC
-from cpdpkit.sync._codec import ErrorFeedback
 from cpdpkit.sync._comm import Communicator
 from cpdpkit.sync._flat import FlatParameters, SegmentedParameters
 from cpdpkit.sync._fragments import FragmentParameters, Part, fragment_offset
@@ -533,25 +532,6 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         check_replicas(self._comm, self._named_values(values, flat), when=f"after the reconciliation of step {step}")
 
     # -- stats and checkpoints -----------------------------------------------------------------
-    @staticmethod
-    def _grad_feedback(part: Part) -> ErrorFeedback | None:
-        """``part``'s compressed synchronous-step gradient residuals (``cpdp`` with a codec), one per bucket."""
-        return part.buckets.feedback if part.buckets is not None else None
-
-    def _part_state(self, part: Part) -> dict[str, Any]:
-        feedback = self._grad_feedback(part)
-        return {**part.flat.slowmo_state(), **part.reconciler.state_dict(),
-                "grad_residuals": feedback.state() if feedback is not None else None}
-
-    def _load_part(self, part: Part, own: dict[str, Any]) -> None:
-        part.flat.load_slowmo_state(own)
-        if self._keeps_anchor and own.get("anchor") is None:
-            part.flat.capture_anchor(momentum=self._slow_momentum)
-        part.reconciler.load_state_dict(own, self._step)
-        feedback = self._grad_feedback(part)
-        if feedback is not None:
-            feedback.load(own.get("grad_residuals"))
-
     def _communicators(self) -> list[Communicator]:
         comms = [self._comm]
         for extra in (self._fast, self._slow):
@@ -605,8 +585,8 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
             "counts": dict(self._counts),
             "layout": self._flat.layout(),
             # without fragments the one reconciler's state at the top level; with them, each fragment's
-            **(self._part_state(self._parts[0]) if len(self._parts) == 1 else self._flat.slowmo_state()),
-            "fragments": [self._part_state(part) for part in self._parts] if len(self._parts) > 1 else None,
+            **(self._parts[0].state_dict() if len(self._parts) == 1 else self._flat.slowmo_state()),
+            "fragments": [part.state_dict() for part in self._parts] if len(self._parts) > 1 else None,
         }
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
@@ -636,12 +616,13 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         self._flat.ensure_bound()
         self._step = int(own["step"])
         self._counts.update(own.get("counts", {}))
+        anchor = self._slow_momentum if self._keeps_anchor else None  # None: no anchor to capture
         if len(self._parts) == 1:
-            self._load_part(self._parts[0], own)
+            self._parts[0].load_state_dict(own, self._step, capture=anchor)
         else:
             self._flat.load_slowmo_state(own)
             for part, saved in zip(self._parts, own["fragments"], strict=True):
-                self._load_part(part, saved)
+                part.load_state_dict(saved, self._step, capture=anchor)
         self._arm_next_step()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
