@@ -81,3 +81,15 @@ def test_results_record_codec_fragments_and_the_largest_step_and_the_goals_read_
     assert goals["cpdp_topk:0.02_f1_bytes"].met
     assert not goals["cpdp_topk:0.02_f1_accuracy"].met  # −1.0 pp is outside 0.5
     assert goals["cpdp-overlap_none_f4_bytes"].met and goals["cpdp-overlap_none_f4_bytes"].measured.endswith("0.250×")
+
+
+def test_hybrid_compression_is_validated_and_carried_in_the_spec():
+    from cpdpkit.bench.hybrid.suite import HybridBenchConfig
+    from cpdpkit.errors import ConfigError
+
+    assert HybridBenchConfig(compression="int8").to_dict()["compression"] == "int8"
+    assert HybridBenchConfig().to_dict()["compression"] == "none"
+    with pytest.raises(ConfigError) as exc:
+        HybridBenchConfig(compression="int4")
+    assert str(exc.value) == ("--compression: compression 'int4' is not a codec: pass one of 'none', 'bf16', 'int8' "
+                              "or 'topk:F' with F in (0, 1], e.g. 'topk:0.02'")

@@ -335,6 +335,9 @@ def hybrid(
                                          "across sites.", show_default="4"),
     overlap_steps: int | None = typer.Option(None, help="τ of cpdp-over-hsdp-overlap: each parameter average is "
                                                 "applied this many steps after its launch.", show_default="1"),
+    compression: str | None = typer.Option(None, metavar="CODEC", help="Codec of the cpdp-over-* strategies' "
+                                              "cross-site exchanges (averages and synchronous-step gradients, with "
+                                              "error feedback): none | bf16 | int8 | topk:F.", show_default="none"),
     quick: bool = typer.Option(False, "--quick", help="A small smoke run: one period timed (each "
                                                       "strategy still starts its own ranks)."),
     profile: str | None = typer.Option(None, "--profile", help="Write traces for every run under DIR."),
@@ -346,7 +349,7 @@ def hybrid(
     and global HSDP on a small GPT over an emulated two-site cluster; compare them."""
     config = hybrid_config(strategies=strategies, model=model, world_size=world_size, topology=topology,
                            batch_size=batch_size, lr=lr, steps=steps, period=period, overlap_steps=overlap_steps,
-                           quick=quick, profile=profile)
+                           compression=compression, quick=quick, profile=profile)
     run_hybrid_suite(config, json_out=json_out, plot=plot, work_dir=work_dir)
 
 

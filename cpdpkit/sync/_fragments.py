@@ -39,10 +39,12 @@ class Part:
     flat: SegmentedParameters
     reconciler: Reconciler
     buckets: GradientBuckets | None = None
+    # cpdp's compressed gradient residuals (``state()``/``load()``): its buckets', or FSDP2's per-unit ones
+    grad_feedback: Any = None
 
     def state_dict(self) -> dict[str, Any]:
-        """Its anchor and SlowMo momentum, its reconciler's state, and cpdp's gradient residuals (one per bucket)."""
-        feedback = self.buckets.feedback if self.buckets is not None else None
+        """Its anchor and SlowMo momentum, its reconciler's state, and cpdp's gradient residuals."""
+        feedback = self.grad_feedback
         return {**self.flat.slowmo_state(), **self.reconciler.state_dict(),
                 "grad_residuals": feedback.state() if feedback is not None else None}
 
@@ -53,8 +55,8 @@ class Part:
         if capture is not None and own.get("anchor") is None:
             self.flat.capture_anchor(momentum=capture)
         self.reconciler.load_state_dict(own, step)
-        if self.buckets is not None and self.buckets.feedback is not None:
-            self.buckets.feedback.load(own.get("grad_residuals"))
+        if self.grad_feedback is not None:
+            self.grad_feedback.load(own.get("grad_residuals"))
 
 
 def fragment_offset(f: int, fragments: int, period: int) -> int:

@@ -256,7 +256,11 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
             # its slice gradients, handed over by the executor (reduce_gradient), in DDP-style buckets
             self._parts[0].buckets = self._gradient_buckets(self._parts[0], self._params, hooks=False)
         elif self._sharded:
-            self._shard_grads = ShardGradientSync(self.model, target=self._gradient_target)
+            self._shard_grads = ShardGradientSync(self.model, target=self._gradient_target,
+                                                  compression=self._grad_compression,
+                                                  compressed=lambda: self._compresses_gradients(self._parts[0]))
+            if self._grad_compression != "none":
+                self._parts[0].grad_feedback = self._shard_grads
         elif self._ddp is None:
             for part in self._parts:  # per fragment: a synchronous step all-reduces its fragment's gradients
                 if isinstance(part.flat, FragmentParameters):
@@ -266,6 +270,9 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
                     continue
                 trained = {id(q) for q in self._params}
                 part.buckets = self._gradient_buckets(part, [p for p in self.model.parameters() if id(p) in trained])
+        for part in self._parts:
+            if part.buckets is not None:
+                part.grad_feedback = part.buckets.feedback
         if self.config.warmup_steps == 0:
             self._begin_periodic_phase()
         self._arm_next_step()
