@@ -169,7 +169,7 @@ def _one(topology: str | None, strategy: str, period: int | None, variant: str |
     ok = [r for r in runs if r.get("status") == "ok"]
     means, stds = {}, {}
     for key in _MEAN_KEYS:
-        means[key], stds[key] = _mean_std([float(r.get(key, math.nan)) for r in ok])  # older runs lack newer keys
+        means[key], stds[key] = _mean_std([float(r[key]) for r in ok if key in r])  # older runs lack newer keys
     reasons = tuple(f"seed {r['spec']['seed']}: {r.get('reason')}" for r in runs if r.get("status") != "ok")
     status = "ok" if ok else (runs[0].get("status") or "failed")
     harness = statistics.fmean(r.get("harness_total_s", 0.0) for r in runs) if runs else 0.0
