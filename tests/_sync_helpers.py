@@ -10,7 +10,7 @@ from torch import nn
 
 from sync_reference import batch
 
-__all__ = ["train", "max_diff", "int8_reference", "topk_reference"]
+__all__ = ["train", "max_diff", "int8_reference", "topk_reference", "flat_grads"]
 
 
 def train(opt: torch.optim.Optimizer, model: nn.Module, rank: int, steps: range) -> None:
@@ -42,4 +42,18 @@ def topk_reference(p: torch.Tensor, frac: float) -> torch.Tensor:
     scale = p[idx].abs().max() / 127.0
     out = torch.zeros_like(p)
     out[idx] = torch.round(p[idx] / scale) * scale
+    return out
+
+
+def flat_grads(models: list[nn.Module], n: int, *, reverse: bool = False) -> list[torch.Tensor]:
+    """Each simulated worker r's MSE gradient at step ``n`` on its batch, flattened in parameter order (``reverse``:
+    in reverse order, DDP's bucket layout)."""
+    out = []
+    for r, model in enumerate(models):
+        params = list(model.parameters())
+        for p in params:
+            p.grad = None
+        x, y = batch(r, n)
+        nn.functional.mse_loss(model(x), y).backward()
+        out.append(torch.cat([p.grad.reshape(-1) for p in (reversed(params) if reverse else params)]))
     return out

@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from _ranks import RANKS_TIMEOUT_S, share_ranks
-from _sync_helpers import int8_reference, max_diff, topk_reference, train
+from _sync_helpers import flat_grads, int8_reference, max_diff, topk_reference, train
 from cpdpkit.sync import PeriodicSyncOptimizer
 from cpdpkit.sync._codec import Codec
-from sync_reference import batch, make_model
+from sync_reference import make_model
 
 K, STEPS, LR, BETA = 3, 13, 0.05, 0.5
 
@@ -98,13 +98,7 @@ def _reference(quantise, *, grads: bool, world: int = 2) -> list[list[torch.Tens
     e = [torch.zeros_like(x0) for _ in range(world)]
     f = [torch.zeros_like(x0) for _ in range(world)]
     for n in range(1, STEPS + 1):
-        g = []
-        for r in range(world):
-            for p in params[r]:
-                p.grad = None
-            x, y = batch(r, n)
-            nn.functional.mse_loss(models[r](x), y).backward()
-            g.append(torch.cat([p.grad.reshape(-1) for p in reversed(params[r])]))  # the bucket's layout
+        g = flat_grads(models, n, reverse=True)  # the bucket's layout
         if n % K == 0:
             if grads:
                 sent = [quantise(g[r] + f[r]) for r in range(world)]

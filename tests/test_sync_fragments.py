@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from _ranks import RANKS_TIMEOUT_S, share_ranks
-from _sync_helpers import max_diff, train
+from _sync_helpers import flat_grads, max_diff, train
 from cpdpkit.errors import ConfigError
 from cpdpkit.sync import PeriodicSyncOptimizer, SyncConfig
 from cpdpkit.sync._fragments import check_fragments, split_params
@@ -167,13 +167,7 @@ def _reference(strategy: str, fragments: int, tau: int, world: int = 2) -> list[
         sync_step[f] = n + 1
 
     for n in range(1, STEPS + 1):
-        grads = []
-        for r in range(world):
-            for p in params[r]:
-                p.grad = None
-            x, y = batch(r, n)
-            nn.functional.mse_loss(models[r](x), y).backward()
-            grads.append(torch.cat([p.grad.reshape(-1) for p in params[r]]))
+        grads = flat_grads(models, n)
         for f in range(fragments):
             if strategy == "cpdp" and sync_step[f] == n:
                 mean = torch.stack([g[cut[f] : cut[f + 1]] for g in grads]).mean(dim=0)
