@@ -115,6 +115,8 @@ def job_numerics(rank: int, world: int, tmp: str) -> dict[str, Any]:
     out["compressed_stats"] = opt_c.stats
     out["residuals"] = [(t.numel(), t.dtype, bool(t.abs().max() > 0))
                         for t in opt_c.state_dict()["cpdpkit"]["residuals"]]
+    out["grad_residuals"] = [(t.numel(), bool(t.abs().max() > 0))
+                             for t in opt_c.state_dict()["cpdpkit"]["grad_residuals"]]
     # a checkpoint mid-period (step 3 of K=4, overlap in flight), resumed into fresh objects
     ckpt = Checkpointer(Path(tmp) / "ckpt", every=3, timeout_s=60)
     a = shard(make_model(), mesh["shard"])

@@ -169,10 +169,12 @@ def test_help_documents_the_configs_defaults():
     assert documented.pop("outer_lr") == "diloco 0.7, a torch.optim class 1.0" and config.outer_lr is None
     assert documented.pop("periods") == ",".join(map(str, config.periods))
     assert documented.pop("max_divergence") == "no cap" and config.max_divergence is None
+    assert documented.pop("compression") == ",".join(config.compression)
     assert documented == {name: str(getattr(config, name)) for name in documented}
     assert set(documented) == {"model", "dataset", "epochs", "batch_size", "lr", "world_size", "topology", "momentum",
                                "slowmo_lr", "warmup_steps", "optimizer_state", "lr_schedule", "seeds",
-                               "overlap_steps", "target_exposed_frac", "k_min", "k_max", "outer_optimizer"}
+                               "overlap_steps", "target_exposed_frac", "k_min", "k_max", "outer_optimizer",
+                               "fragments"}
     quick_doc = {p.name: str(p.show_default).split("--quick:")[1].strip() for p in bench.params
                  if isinstance(p.show_default, str) and "--quick:" in p.show_default}
     assert quick_doc == {"strategies": ",".join(quick.strategies), "periods": ",".join(map(str, quick.periods)),

@@ -24,7 +24,8 @@ RESULT_KEYS = {"strategy": str, "step_s": float, "exposed_comm_s_per_step": floa
                "training_state_bytes_per_rank": int, "peak_mem_bytes": int, "final_loss": float,
                "loss_curve_rank_mean": list, "step_s_by_rank": list, "step_s_median": float}
 HYBRID_OPTIONS = {"--strategies", "--model", "--world-size", "--topology", "--batch-size", "--lr", "--steps",
-                  "--period", "--overlap-steps", "--quick", "--profile", "--json", "--plot", "--work-dir"}
+                  "--period", "--overlap-steps", "--compression", "--quick", "--profile", "--json", "--plot",
+                  "--work-dir"}
 
 
 @pytest.mark.slow
@@ -185,7 +186,7 @@ def test_hybrid_help_lists_its_options_and_the_configs_defaults():
     assert documented.pop("strategies") == "all five" and config.strategies == HYBRID_STRATEGIES
     assert documented == {name: str(getattr(config, name)) for name in documented}
     assert set(documented) == {"model", "world_size", "topology", "batch_size", "lr", "steps", "period",
-                               "overlap_steps"}
+                               "overlap_steps", "compression"}
     assert config.warmup_steps == config.period  # "after one period of warm-up steps"
 
 

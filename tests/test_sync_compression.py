@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import io
-import math
 
 import pytest
 import torch
@@ -21,6 +20,8 @@ from torch import nn
 
 import _emu_jobs as emu
 from _ranks import RANKS_TIMEOUT_S, share_ranks
+from _sync_helpers import int8_reference as _int8
+from _sync_helpers import topk_reference as _topk
 from cpdpkit.errors import ConfigError
 from cpdpkit.sync import PeriodicSyncOptimizer, SyncConfig
 from cpdpkit.sync._codec import Codec, ErrorFeedback
@@ -111,24 +112,7 @@ def results(sync_ranks):
     return sync_ranks[__name__]["all"]
 
 
-# -- the independent reference ------------------------------------------------------------------
-def _int8(p: torch.Tensor, block: int = 256) -> torch.Tensor:
-    n = p.numel()
-    padded = torch.cat([p, p.new_zeros(-n % block)]).view(-1, block)
-    scale = padded.abs().max(dim=1, keepdim=True).values / 127.0
-    q = torch.where(scale > 0, torch.round(padded / torch.where(scale > 0, scale, 1.0)), 0.0)
-    return (q * scale).reshape(-1)[:n]
-
-
-def _topk(p: torch.Tensor, frac: float) -> torch.Tensor:
-    k = math.ceil(frac * p.numel())
-    idx = p.abs().argsort(descending=True)[:k]
-    scale = p[idx].abs().max() / 127.0
-    out = torch.zeros_like(p)
-    out[idx] = torch.round(p[idx] / scale) * scale
-    return out
-
-
+# -- the independent reference (its quantisers: tests/_sync_helpers.py) ---------------------------
 def _reference(quantise, world: int = 2, overlap: bool = False) -> list[list[torch.Tensor]]:
     """localsgd with error feedback: x ← x0 − mean_r q(x0 − x_r + e_r), e_r ← (x0 − x_r + e_r) − q(...).
 

@@ -53,7 +53,8 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, sched=Non
 # -- construction: one source of defaults (no process group needed: refused before any) ----
 KNOWN = ("strategy, period, warmup_steps, slowmo_momentum, slowmo_lr, buffers, "
          "optimizer_state, bucket_cap_mb, timeout_s, overlap_steps, target_exposed_frac, k_min, "
-         "k_max, max_divergence, check_replicas, cpdp_order, outer_optimizer, outer_lr, outer_momentum, compression")
+         "k_max, max_divergence, check_replicas, cpdp_order, outer_optimizer, outer_lr, outer_momentum, compression, "
+         "fragments")
 
 
 def test_unknown_keyword_is_one_line_naming_it_and_the_fields():
@@ -97,7 +98,7 @@ def test_config_and_keyword_forms_give_equal_config(world1):
         "bucket_cap_mb": 25.0, "timeout_s": 30, "overlap_steps": 0, "target_exposed_frac": 0.05,
         "k_min": 1, "k_max": 8, "max_divergence": None, "check_replicas": False,
         "cpdp_order": "average-then-step", "outer_optimizer": "slowmo", "outer_lr": None,
-        "outer_momentum": None, "compression": "none"}
+        "outer_momentum": None, "compression": "none", "fragments": 1}
     plain = PeriodicSyncOptimizer(torch.optim.SGD(m3.parameters(), lr=0.1), model=m3)
     assert plain.config == SyncConfig().resolved(1)  # the defaults are SyncConfig's, β decided for 1 replica
 
@@ -251,8 +252,8 @@ def test_state_dict_is_torch_standard_plus_cpdpkit(world1):
     sd = opt.state_dict()
     assert sorted(sd) == ["cpdpkit", "param_groups", "state"]
     own = sd["cpdpkit"]
-    assert sorted(own) == ["anchor", "config", "counts", "decisions", "in_flight", "layout", "outer", "residuals",
-                           "schedule", "slow_momentum", "step", "sync_step", "version"]
+    assert sorted(own) == ["anchor", "config", "counts", "decisions", "fragments", "grad_residuals", "in_flight",
+                           "layout", "outer", "residuals", "schedule", "slow_momentum", "step", "sync_step", "version"]
     assert own["outer"] is None  # SlowMo's state is anchor and slow_momentum
     assert own["in_flight"] is None and own["decisions"] == []
     assert own["schedule"] == {"period": 3, "last_reconcile": 3, "gap": 3}

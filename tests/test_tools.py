@@ -142,14 +142,14 @@ def test_docs_tables_renders_the_bench_table_and_goals(tmp_path: Path) -> None:
     assert lines[0] == "### char-mlp on stdlib-text, 2 ranks, topology wan, lr 0.1, 2 epochs, 1 seed(s)"
     assert lines[2].startswith("`cpdpkit bench --strategies ddp,cpdp,localsgd-torch --periods 4 --epochs 2 --json ")
     assert ("| strategy | status | peak acc % | final acc % | Δ pp | wall s | Δ wall % | step ms | exposed ms/step "
-            "| coll/step | KB/step | harness s |") in lines
+            "| coll/step | KB/step | max KB/step | harness s |") in lines
     rows = [line for line in lines if line.startswith("| ") and (" ok | " in line or " failed | " in line)]
     assert rows == [
-        "| ddp | ok | 97.50±0.00 | 97.00 | +0.00 | 10.00±0.00 | +0.0 | 20.00 | 18.00 | 1.00 | 153.1 | 5.0 |",
+        "| ddp | ok | 97.50±0.00 | 97.00 | +0.00 | 10.00±0.00 | +0.0 | 20.00 | 18.00 | 1.00 | 153.1 | - | 5.0 |",
         "| localsgd-torch K=4 | ok | 97.00±0.00 | 96.50 | -0.50 | 3.00±0.00 | -70.0 | 6.00 | 4.50 | 0.25 | 38.3 "
-        "| 5.0 |",
-        "| cpdp K=4 | ok | 98.00±0.00 | 97.50 | +0.50 | 5.00±0.00 | -50.0 | 10.00 | 9.00 | 0.50 | 76.5 | 5.0 |",
-        "| slowmo K=4 | failed | - | - | - | - | - | - | - | - | - | - |",
+        "| - | 5.0 |",  # max KB/step: "-" for results from before it was recorded
+        "| cpdp K=4 | ok | 98.00±0.00 | 97.50 | +0.50 | 5.00±0.00 | -50.0 | 10.00 | 9.00 | 0.50 | 76.5 | - | 5.0 |",
+        "| slowmo K=4 | failed | - | - | - | - | - | - | - | - | - | - | - |",
     ]
     assert "| `cpdp` K=4 wall clock <= 0.80 × `ddp` | 5.00 s / 10.00 s = 0.50× | met |" in lines
     assert "| `cpdp` K=4 exposed sync per step <= 0.5 × `ddp` | 9.00 / 18.00 ms = 0.500× | met |" in lines

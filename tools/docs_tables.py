@@ -36,7 +36,7 @@ from cpdpkit.cli._bench_plot import plot_accuracy_vs_wall  # the plot `cpdpkit b
 ROOT = Path(__file__).resolve().parents[1]
 
 MAIN_COLUMNS = ("strategy", "status", "peak acc %", "final acc %", "Δ pp", "wall s", "Δ wall %", "step ms",
-                "exposed ms/step", "coll/step", "KB/step", "harness s")
+                "exposed ms/step", "coll/step", "KB/step", "max KB/step", "harness s")
 # `cpdpkit bench` defaults (cpdpkit/bench/periodic/config.py BenchConfig), to print the shortest command that
 # reproduces a run; kept here so this tool needs no torch. A stale default prints a wrong command:
 # tests/test_bench_stats.py checks these against BenchConfig().
@@ -49,7 +49,7 @@ MAIN_DEFAULTS = {"strategies": ["ddp", "localsgd-torch", "localsgd", "slowmo", "
                  "optimizer_state": "keep", "lr_schedule": "constant", "world_size": 2, "topology": "wan", "seeds": 1,
                  "profile_dir": None, "augment": False, "max_images": None, "overlap_steps": 3,
                  "target_exposed_frac": 0.05, "k_min": 1, "k_max": 8, "max_divergence": None, "topologies": None,
-                 "inject_fault": None}
+                 "inject_fault": None, "compression": ["none"], "fragments": 1}
 MAIN_QUICK = {"strategies": ["ddp", "localsgd-torch", "cpdp"], "periods": [4], "epochs": 3}
 SHARDING_DEFAULTS = {"strategies": ["fsdp2", "hsdp", "zero1", "zero1-overlap", "planned", "two-stage", "partial"],
                      "model": "gpt-tiny", "world_size": 4, "topology": "cluster-slow-ib", "batch_size": 4, "lr": 0.003,
@@ -76,7 +76,8 @@ def markdown_table(columns: tuple[str, ...] | list[str], rows: list[list[str]]) 
 
 
 def _label(r: dict[str, Any]) -> str:
-    return r["strategy"] if r.get("period") is None else f"{r['strategy']} K={r['period']}"
+    base = r["strategy"] if r.get("period") is None else f"{r['strategy']} K={r['period']}"
+    return f"{base} {r['variant']}" if r.get("variant") else base  # as the CLI's StrategyResult.label
 
 
 def _option(name: str, value: Any) -> str:
@@ -149,7 +150,8 @@ def main_rows(report: dict[str, Any]) -> list[list[str]]:
             _delta(r.get("delta_wall_pct_vs_ddp"), ".1f", r.get("delta_wall_ci95_s"), show_ci=False),
             _num(r["step_s"] * 1e3, ".2f"),
             _num(r["exposed_sync_s_per_step"] * 1e3, ".2f"), _num(r["collectives_per_step"], ".2f"),
-            _num(r["bytes_per_step"] / 1e3, ".1f"), _num(r.get("harness_overhead_s"), ".1f"),
+            _num(r["bytes_per_step"] / 1e3, ".1f"), _num(r.get("max_bytes_per_step", math.nan) / 1e3, ".1f"),
+            _num(r.get("harness_overhead_s"), ".1f"),
         ])
     return rows
 

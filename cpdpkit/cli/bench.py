@@ -90,7 +90,8 @@ def _float_list(name: str, text: str) -> float | tuple[float, ...]:
 
 
 def _one_float(name: str, text: str) -> float:
-    """One number: a list here is refused (only --periods, --slowmo-momentum and --outer-lr are swept)."""
+    """One number: a list here is refused (only --periods, --slowmo-momentum and --outer-lr are swept, and
+    --compression's codecs)."""
     if "," in text:
         raise ConfigError(f"{name} takes one value, got {text!r}: the swept options are --periods, "
                           "--slowmo-momentum and --outer-lr; run once per value of " + name)
@@ -193,6 +194,15 @@ def bench(
     outer_lr: str | None = typer.Option(None, metavar="FLOAT[,FLOAT...]",
                                         help="LR of an outer optimizer other than slowmo; a list is swept.",
                                              show_default="diloco 0.7, a torch.optim class 1.0"),
+    compression: str | None = typer.Option(None, metavar="CODEC[,CODEC...]",
+                                           help="Codecs of the reconciliation (and of cpdp's synchronous-step "
+                                                "gradients) with error feedback: none | bf16 | int8 | topk:F (F in "
+                                                "(0, 1]); a list is swept like --periods (localsgd, slowmo, cpdp and "
+                                                "their -overlap and step-then-average forms; the others: none).",
+                                           show_default="none"),
+    fragments: int | None = typer.Option(None, help="Stream each reconciliation in this many fragments of about "
+                                            "equal bytes, staggered over the period (localsgd, slowmo, cpdp and "
+                                            "their -overlap forms).", show_default="1"),
     warmup_steps: int | None = typer.Option(None, help="Steps of gradient all-reduce before the periodic phase "
                                                "(localsgd, slowmo, cpdp).", show_default="0"),
     optimizer_state: str | None = typer.Option(None, help="keep | average | reset: the inner optimizer's state at "
@@ -256,6 +266,7 @@ def bench(
         strategies=strategies, periods=periods, model=model, dataset=dataset, data_dir=data_dir, epochs=epochs,
         batch_size=batch_size, lr=lr, momentum=momentum, slowmo_momentum=slowmo_momentum, slowmo_lr=slowmo_lr,
         outer_optimizer=outer_optimizer, outer_lr=outer_lr, warmup_steps=warmup_steps,
+        compression=None if compression is None else _names(compression), fragments=fragments,
         optimizer_state=optimizer_state, lr_schedule=lr_schedule,
         world_size=world_size, topology=topology, topologies=topologies, seeds=seeds,
         quick=quick, profile_dir=profile, augment=augment, preset=preset, overlap_steps=overlap_steps,
@@ -324,6 +335,9 @@ def hybrid(
                                          "across sites.", show_default="4"),
     overlap_steps: int | None = typer.Option(None, help="τ of cpdp-over-hsdp-overlap: each parameter average is "
                                                 "applied this many steps after its launch.", show_default="1"),
+    compression: str | None = typer.Option(None, metavar="CODEC", help="Codec of the cpdp-over-* strategies' "
+                                              "cross-site exchanges (averages and synchronous-step gradients, with "
+                                              "error feedback): none | bf16 | int8 | topk:F.", show_default="none"),
     quick: bool = typer.Option(False, "--quick", help="A small smoke run: one period timed (each "
                                                       "strategy still starts its own ranks)."),
     profile: str | None = typer.Option(None, "--profile", help="Write traces for every run under DIR."),
@@ -335,7 +349,7 @@ def hybrid(
     and global HSDP on a small GPT over an emulated two-site cluster; compare them."""
     config = hybrid_config(strategies=strategies, model=model, world_size=world_size, topology=topology,
                            batch_size=batch_size, lr=lr, steps=steps, period=period, overlap_steps=overlap_steps,
-                           quick=quick, profile=profile)
+                           compression=compression, quick=quick, profile=profile)
     run_hybrid_suite(config, json_out=json_out, plot=plot, work_dir=work_dir)
 
 
@@ -450,6 +464,7 @@ def _row(r: StrategyResult) -> list[str]:
             _delta(r.delta_wall_pct, ".1f", r.delta_wall_ci95_s, show_ci=False), _fmt(m["step_s"] * 1e3, ".2f"),
             _fmt(m["exposed_sync_s_per_step"] * 1e3, ".2f"),
             _fmt(m["collectives_per_step"], ".2f"), _fmt(m["bytes_per_step"] / 1e3, ".1f"),
+            _fmt(m.get("max_bytes_per_step", math.nan) / 1e3, ".1f"),
             _fmt(r.harness_s, ".1f")]
 
 
@@ -462,12 +477,13 @@ def _table(report: BenchReport, topology: str | None = None) -> Table:
                         f"{topology or cfg['topology']}, lr {cfg['lr']}, {cfg['epochs']} epochs, "
                         f"{cfg['seeds']} seed(s)")
     for col in ("strategy", "status", "peak acc %", "final acc %", "Δ pp", "wall s", "Δ wall %",
-                "step ms", "exposed ms/step", "coll/step", "KB/step", "harness s"):
+                "step ms", "exposed ms/step", "coll/step", "KB/step", "max KB/step", "harness s"):
         table.add_column(col, justify="left" if col in ("strategy", "status") else "right",
                          no_wrap=True)
     table.caption = ("Δ vs ddp, paired by seed, [95 % CI]; * = the CI excludes 0 (Δ wall %: of the paired "
                      "wall-clock difference); exposed = time the training loop waited on communication; "
-                     "harness = launch, data, evaluation (not in wall s)")
+                     "max KB/step = the most one step sent (per rank); harness = launch, data, evaluation (not in "
+                     "wall s)")
     for r in report.results:
         if topology is None or r.topology == topology:
             table.add_row(*_row(r))

@@ -135,23 +135,29 @@ class ErrorFeedback:
 
     def encode(self, payloads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The codes of ``payloads + residuals``; the residuals keep what the codes lost."""
-        codes = []
-        for codec, residual, payload in zip(self.codecs, self.residuals, payloads, strict=True):
-            p = payload.float() + residual
-            code, sent = codec.encode(p)
-            residual.copy_(p - sent)
-            codes.append(code)
-        return codes
+        assert len(payloads) == len(self.codecs), (len(payloads), len(self.codecs))
+        return [self.encode_one(i, payload) for i, payload in enumerate(payloads)]
+
+    def encode_one(self, i: int, payload: torch.Tensor) -> torch.Tensor:
+        """The code of segment ``i``'s ``payload + residual``; the residual keeps what the code lost."""
+        residual = self.residuals[i]
+        p = payload.reshape(-1).float() + residual
+        code, sent = self.codecs[i].encode(p)
+        residual.copy_(p - sent)
+        return code
 
     def mean_of(self, gathered: Sequence[torch.Tensor], size: int) -> list[torch.Tensor]:
         """The mean of every rank's decoded code (``gathered``: per segment, ``size`` codes in rank order)."""
-        out = []
-        for codec, codes in zip(self.codecs, gathered, strict=True):
-            total = torch.zeros(codec.numel, dtype=torch.float32)
-            for j in range(size):
-                total += codec.decode(codes[j * codec.nbytes : (j + 1) * codec.nbytes])
-            out.append(total / size)
-        return out
+        assert len(gathered) == len(self.codecs), (len(gathered), len(self.codecs))
+        return [self.mean_one(i, codes, size) for i, codes in enumerate(gathered)]
+
+    def mean_one(self, i: int, codes: torch.Tensor, size: int) -> torch.Tensor:
+        """The mean of segment ``i``'s ``size`` codes (every rank's, in rank order), decoded in rank order."""
+        codec = self.codecs[i]
+        total = torch.zeros(codec.numel, dtype=torch.float32)
+        for j in range(size):
+            total += codec.decode(codes[j * codec.nbytes : (j + 1) * codec.nbytes])
+        return total / size
 
     def state(self) -> list[torch.Tensor]:
         return [r.clone() for r in self.residuals]

@@ -8,6 +8,17 @@ all-reduced asynchronously, so communication overlaps the rest of backward. ``fi
 (called from ``step()``) launches what backward did not reach, waits, and writes the
 averaged gradients back.
 
+Compressed (``compression`` other than ``"none"``, on the steps ``compressed()`` names: ``cpdp``'s
+synchronous steps): a full bucket is not all-reduced; its gradients plus the bucket's error-feedback
+residual are encoded (:mod:`cpdpkit.sync._codec`), every rank's code is all-gathered as bytes, and
+``finish()`` decodes all of them in rank order into the bucket: the mean of the decoded gradients, the
+same bit for bit on every rank. The residuals (one per bucket, the bucket's size) keep what each code
+lost, so over many steps the sum of what was sent plus the residual is the sum of the gradients.
+
+``ranges`` (one ``(start, stop)`` per parameter, in its flattened elements) makes the buckets hold only
+those pieces of the gradients: a streaming fragment's share (:mod:`cpdpkit.sync._fragments`), which may
+cut a parameter in two; the rest of that gradient is left as it is.
+
 Without hooks (``hooks=False``) the caller marks each gradient ready itself
 (:meth:`GradientBuckets.mark_ready`): the two-stage executor does, for its slice gradients, once
 they are reduced inside its mesh.
@@ -24,6 +35,7 @@ from torch.profiler import record_function
 
 from cpdpkit.errors import DistributedSetupError
 from cpdpkit.labels import SYNC
+from cpdpkit.sync._codec import ErrorFeedback
 from cpdpkit.sync._comm import Communicator
 
 __all__ = ["GradientBuckets"]
@@ -33,7 +45,10 @@ __all__ = ["GradientBuckets"]
 class _Bucket:
     params: list[torch.Tensor]
     offsets: list[int]
+    ranges: list[tuple[int, int]]  # each parameter's piece, in its flattened elements
     buffer: torch.Tensor
+    index: int = 0
+    gathered: torch.Tensor | None = None  # compressed: every rank's code, decoded into buffer in finish()
     ready: int = 0
     comm: Communicator | None = None
     work: dist.Work | None = None
@@ -45,7 +60,8 @@ class GradientBuckets:
     """Gradient buckets with backward hooks (see module docstring).
 
     ``target`` is called at hook time and returns the :class:`Communicator` this backward's
-    gradients are averaged over, or ``None`` when the coming step does not synchronise them.
+    gradients are averaged over, or ``None`` when the coming step does not synchronise them;
+    ``compressed`` (with a ``compression``) whether this backward's exchange is compressed.
     """
 
     def __init__(
@@ -55,37 +71,45 @@ class GradientBuckets:
         bucket_cap_bytes: int,
         target: Callable[[], Communicator | None],
         hooks: bool = True,
+        compression: str = "none",
+        compressed: Callable[[], bool] | None = None,
+        ranges: Sequence[tuple[int, int]] | None = None,
     ) -> None:
-        self._target = target
+        self._target, self._compressed = target, compressed
         self._buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
         self._handles = []
-        self._build(list(reversed(list(params))), bucket_cap_bytes)
+        pieces = list(zip(params, ranges if ranges is not None else [(0, p.numel()) for p in params], strict=True))
+        self._build(list(reversed(pieces)), bucket_cap_bytes)
+        self.feedback = (ErrorFeedback(compression, [b.buffer.numel() for b in self._buckets])
+                         if compression != "none" else None)
         self.enabled = True  # False inside PeriodicSyncOptimizer.no_sync()
         for p in params if hooks else ():
             self._handles.append(p.register_post_accumulate_grad_hook(self.mark_ready))
 
-    def _build(self, ordered: list[torch.Tensor], cap: int) -> None:
-        current: list[torch.Tensor] = []
+    def _build(self, ordered: list[tuple[torch.Tensor, tuple[int, int]]], cap: int) -> None:
+        current: list[tuple[torch.Tensor, tuple[int, int]]] = []
         size = 0
-        for p in ordered:
-            nbytes = p.numel() * p.element_size()
-            same_kind = not current or (current[0].dtype, current[0].device) == (p.dtype, p.device)
+        for p, (start, stop) in ordered:
+            nbytes = (stop - start) * p.element_size()
+            first = current[0][0] if current else p
+            same_kind = (first.dtype, first.device) == (p.dtype, p.device)
             if current and (size + nbytes > cap or not same_kind):
                 self._add_bucket(current)
                 current, size = [], 0
-            current.append(p)
+            current.append((p, (start, stop)))
             size += nbytes
         if current:
             self._add_bucket(current)
 
-    def _add_bucket(self, params: list[torch.Tensor]) -> None:
+    def _add_bucket(self, pieces: list[tuple[torch.Tensor, tuple[int, int]]]) -> None:
+        params = [p for p, _ in pieces]
         offsets, total = [], 0
-        for p in params:
+        for _, (start, stop) in pieces:
             offsets.append(total)
-            total += p.numel()
+            total += stop - start
         buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
-        bucket = _Bucket(params, offsets, buffer)
+        bucket = _Bucket(params, offsets, [r for _, r in pieces], buffer, index=len(self._buckets))
         self._buckets.append(bucket)
         for p in params:
             self._bucket_of[id(p)] = bucket
@@ -122,15 +146,21 @@ class GradientBuckets:
 
     @torch.no_grad()
     def _launch(self, bucket: _Bucket, comm: Communicator) -> None:
-        for p, off in zip(bucket.params, bucket.offsets):
-            view = bucket.buffer[off : off + p.numel()]
+        for p, off, (start, stop) in zip(bucket.params, bucket.offsets, bucket.ranges):
+            view = bucket.buffer[off : off + stop - start]
             if p.grad is None:
                 view.zero_()
             else:
-                view.copy_(p.grad.reshape(-1))
-        bucket.buffer.div_(comm.size)
-        with record_function(SYNC.GRAD_ALLREDUCE.label):  # the launch only: the copies are local work
-            bucket.work = comm.all_reduce_sum_async(bucket.buffer)
+                view.copy_(p.grad.reshape(-1)[start:stop])
+        if self.feedback is not None and self._compressed is not None and self._compressed():
+            code = self.feedback.encode_one(bucket.index, bucket.buffer)
+            bucket.gathered = torch.empty(comm.size * code.numel(), dtype=torch.uint8)
+            with record_function(SYNC.GRAD_ALLREDUCE.label):  # the launch only: encoding is local work
+                bucket.work = comm.all_gather_async(bucket.gathered, code)
+        else:
+            bucket.buffer.div_(comm.size)
+            with record_function(SYNC.GRAD_ALLREDUCE.label):  # the launch only: the copies are local work
+                bucket.work = comm.all_reduce_sum_async(bucket.buffer)
         bucket.comm = comm
         bucket.launched = True
 
@@ -150,11 +180,20 @@ class GradientBuckets:
                 assert bucket.work is not None and bucket.comm is not None
                 bucket.comm.wait(bucket.work)
         for bucket in self._buckets:
-            for p, off in zip(bucket.params, bucket.offsets):
-                view = bucket.buffer[off : off + p.numel()].view_as(p)
-                if p.grad is None:
-                    p.grad = view.clone()
-                else:
-                    p.grad.copy_(view)
+            if bucket.gathered is not None:  # compressed: the mean of every rank's decoded code
+                assert self.feedback is not None and bucket.comm is not None
+                bucket.buffer.copy_(self.feedback.mean_one(bucket.index, bucket.gathered, bucket.comm.size))
+                bucket.gathered = None
+            for p, off, (start, stop) in zip(bucket.params, bucket.offsets, bucket.ranges):
+                view = bucket.buffer[off : off + stop - start]
+                if stop - start == p.numel():
+                    if p.grad is None:
+                        p.grad = view.view_as(p).clone()
+                    else:
+                        p.grad.copy_(view.view_as(p))
+                    continue
+                if p.grad is None:  # a piece of it (a fragment's): the rest stays zero until its own piece lands
+                    p.grad = torch.zeros_like(p)
+                p.grad.view(-1)[start:stop].copy_(view)
             bucket.ready, bucket.launched, bucket.work, bucket.comm = 0, False, None, None
             bucket.ready_ids.clear()

@@ -105,18 +105,20 @@ class Reconciler:
     """Runs reconciliations for :class:`~cpdpkit.sync.PeriodicSyncOptimizer` (module docstring).
 
     ``blocked_s`` returns the optimizer's total blocked seconds so far (the controller's ``S``).
-    ``on_reconciled(step, values)``, if given, sees each reconciliation's result (per flat segment, after
-    SlowMo's update; the same on every rank) before it is applied: the replica check.
+    With ``fragments``, one Reconciler runs per fragment (``flat`` is that fragment, ``offset`` its
+    stagger, ``buffers`` empty but for fragment 0's). ``on_reconciled(step, values)``, if given, sees
+    each reconciliation's result (per flat segment, after SlowMo's update; the same on every rank)
+    before it is applied: the replica check.
     """
 
     def __init__(self, config: SyncConfig, flat: SegmentedParameters, *, slow: Communicator,
                  world: Communicator, optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
                  buffers: Callable[[], list[torch.Tensor]], blocked_s: Callable[[], float],
-                 on_reconciled: Callable[[int, list[torch.Tensor]], None] | None = None) -> None:
+                 on_reconciled: Callable[[int, list[torch.Tensor]], None] | None = None, offset: int = 0) -> None:
         self.config, self._flat, self._slow, self._world = config, flat, slow, world
         self._optim, self._params, self._buffers, self._blocked_s = optimizer, params, buffers, blocked_s
         self._on_reconciled = on_reconciled
-        self.schedule = PeriodSchedule(config)
+        self.schedule = PeriodSchedule(config, offset)  # offset: a fragment's stagger (cpdpkit.sync._fragments)
         self.decisions: list[PeriodDecision] = []
         self.in_flight: _InFlight | None = None
         # average-then-step: the schedule's reconciliation is the step after the average's

@@ -11,7 +11,11 @@ index). Everything the optimizer sends crosses only that group, and only this ra
   FSDP2's own HSDP does after its reduce-scatter, so the numbers equal HSDP's bit for bit. FSDP2
   makes the gradient a view of that output; once a step has proved it (the storage is checked), the
   all-reduce is launched asynchronously and waited in ``step()``, so it overlaps the rest of
-  backward. On other steps nothing crosses the replicate group.
+  backward. On other steps nothing crosses the replicate group. With a ``compression`` codec, ``cpdp``'s
+  synchronous step sends codes instead (one codec per tier: FSDP2's reduce-scatter inside the site stays
+  as it is, only the cross-site exchange is encoded): the unit's gradient shard plus its residual (shard-
+  sized, one per unit) is encoded, every rank's code all-gathered over the replicate group and decoded in
+  rank order into the reduce-scatter output, waited for inside the hook.
 * **Parameters and SlowMo** (:class:`ShardedParameters`): a reconciliation packs this rank's local
   shards into one buffer per dtype, averages it over the replicate group, runs SlowMo on it and
   unpacks it. SlowMo's anchor and slow momentum are shard-sized: +2 × this rank's parameter shard
@@ -38,6 +42,7 @@ from torch.profiler import record_function
 
 from cpdpkit.errors import ConfigError
 from cpdpkit.labels import SYNC
+from cpdpkit.sync._codec import ErrorFeedback
 from cpdpkit.sync._comm import Communicator, group_ranks
 from cpdpkit.sync._flat import SegmentedParameters, build_segments
 
@@ -185,33 +190,42 @@ class ShardGradientSync:
     """All-reduce FSDP2's reduce-scatter outputs across the replicate group on gradient-sync steps.
 
     ``target()`` returns the communicator of the coming step's gradient sync, or ``None`` on a step
-    that does not synchronise gradients. :meth:`finish` (from ``step()``) waits for what was launched.
+    that does not synchronise gradients; ``compressed()`` (with a ``compression``) whether it sends codes.
+    :meth:`finish` (from ``step()``) waits for what was launched. :meth:`state` and :meth:`load` are the
+    compressed exchange's residuals, one per FSDP2 unit (None for a unit that has not sent yet).
     """
 
-    def __init__(self, model: nn.Module, *, target: Callable[[], Communicator | None]) -> None:
+    def __init__(self, model: nn.Module, *, target: Callable[[], Communicator | None], compression: str = "none",
+                 compressed: Callable[[], bool] | None = None) -> None:
         from torch.distributed.fsdp import FSDPModule
 
-        self._target = target
+        self._target, self._compression, self._compressed = target, compression, compressed
+        self._feedback: dict[int, ErrorFeedback] = {}  # per unit, created at its first compressed exchange
         self._pending: list[tuple[Communicator, Any]] = []
         self._checks: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
         self._async_ok = False  # set once a step proved FSDP2's gradients are views of the hook's tensor
         claimed: set[int] = set()
         units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        self._num_units = 0
         for module in reversed(units):  # nested units first: a unit owns what no nested unit claimed
             own = [p for p in module.parameters() if id(p) not in claimed]
             claimed.update(id(p) for p in own)
             if not own:
                 continue
+            self._num_units += 1
             try:
-                module.set_all_reduce_hook(functools.partial(self._on_reduced, own))
+                module.set_all_reduce_hook(functools.partial(self._on_reduced, own, self._num_units - 1))
             except ValueError as exc:
                 raise ConfigError(f"FSDP2 refused the gradient hook on {type(module).__name__} ({exc}): shard each "
                                   "module over one mesh (no shard_placement_fn with per-parameter meshes)") from exc
 
     @torch.no_grad()
-    def _on_reduced(self, own: list[torch.Tensor], reduce_output: torch.Tensor) -> None:
+    def _on_reduced(self, own: list[torch.Tensor], unit: int, reduce_output: torch.Tensor) -> None:
         comm = self._target()
         if comm is None:
+            return
+        if self._compression != "none" and self._compressed is not None and self._compressed():
+            self._exchange_codes(comm, unit, reduce_output)
             return
         with record_function(SYNC.GRAD_ALLREDUCE.label):
             if reduce_output.dtype in _AVG_DTYPES:
@@ -227,6 +241,33 @@ class ShardGradientSync:
             comm.wait(work)
         if not self._async_ok:
             self._checks.append((reduce_output, own))
+
+    def _exchange_codes(self, comm: Communicator, unit: int, reduce_output: torch.Tensor) -> None:
+        """``reduce_output`` ← the mean of every replica's decoded code of (it + this unit's residual)."""
+        feedback = self._feedback.get(unit)
+        if feedback is None:
+            feedback = self._feedback[unit] = ErrorFeedback(self._compression, [reduce_output.numel()])
+        elif feedback.codecs[0].numel != reduce_output.numel():
+            raise ConfigError(f"FSDP2 unit {unit}'s gradient shard has {reduce_output.numel()} elements, its "
+                              f"residual {feedback.codecs[0].numel}: load a checkpoint saved with the same sharding")
+        code = feedback.encode_one(0, reduce_output)
+        gathered = torch.empty(comm.size * code.numel(), dtype=torch.uint8)
+        with record_function(SYNC.GRAD_ALLREDUCE.label):
+            work = comm.all_gather_async(gathered, code)
+        with comm.blocking(SYNC.GRAD_WAIT):
+            comm.wait(work)
+        reduce_output.copy_(feedback.mean_one(0, gathered, comm.size).view_as(reduce_output))
+
+    def state(self) -> list[torch.Tensor | None]:
+        return [self._feedback[u].residuals[0].clone() if u in self._feedback else None
+                for u in range(self._num_units)]
+
+    def load(self, residuals: list[torch.Tensor | None] | None) -> None:
+        self._feedback.clear()
+        for unit, residual in enumerate(residuals or ()):
+            if residual is not None:
+                feedback = self._feedback[unit] = ErrorFeedback(self._compression, [residual.numel()])
+                feedback.load([residual])
 
     def finish(self) -> None:
         """Wait for the launched all-reduces; after the first synced step, check the gradients alias them."""

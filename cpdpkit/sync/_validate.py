@@ -29,7 +29,8 @@ __all__ = ["STATE_VERSION", "is_executor", "resolve_config", "validate_objects",
 # 3: "cpdpkit" also holds the schedule, the controller's decisions and a reconciliation in flight;
 # 4: the config holds cpdp_order and "cpdpkit" the next synchronous step ("sync_step"). A cpdp
 # checkpoint of versions 1-3 was written by cpdp's step-then-average order.
-# 5: "cpdpkit" holds the compression residuals ("residuals", None when uncompressed).
+# 5: "cpdpkit" holds the compression residuals ("residuals", None when uncompressed), cpdp's synchronous-step
+# gradient residuals ("grad_residuals") and, with fragments=F > 1, each fragment's own state ("fragments").
 STATE_VERSION = 5
 _CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(SyncConfig))
 _EXECUTOR_FIX = ("build the executor on one site's sub-mesh: mesh = init_device_mesh(device, (num_sites, R, S), "
@@ -211,6 +212,12 @@ def split_checkpoint(state_dict: dict[str, Any], config: SyncConfig, layout: lis
         raise ConfigError(
             f"checkpoint holds compression={saved_compression!r} residuals, this optimizer uses "
             f"compression={config.compression!r}: construct it with compression={saved_compression!r} to resume it"
+        )
+    saved_fragments = int(own["config"].get("fragments", 1))  # versions 1-5 before fragments: 1
+    if saved_fragments != config.fragments:
+        raise ConfigError(
+            f"checkpoint was saved with fragments={saved_fragments}, this optimizer uses fragments="
+            f"{config.fragments}: construct it with fragments={saved_fragments} to resume it"
         )
     if own["layout"] != layout:
         raise ConfigError(

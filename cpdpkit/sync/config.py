@@ -144,6 +144,12 @@ class SyncConfig:
     pseudo-gradient ``anchor − parameters`` with error feedback and exchanges the codes in one all-gather
     (:mod:`cpdpkit.sync._codec`), blocking or overlapped; a fixed period only, not ``ddp``.
 
+    ``fragments`` (F) streams the reconciliation (:mod:`cpdpkit.sync._fragments`): the parameters in F
+    fragments of about equal bytes, each reconciled every K steps with its own anchor, outer state and
+    residuals, their reconciliations staggered by about K/F steps, so a step sends about 1/F of a
+    reconciliation (with ``overlap_steps``, each fragment's exchange overlaps the following local steps);
+    for ``cpdp`` the synchronous step after a fragment's average all-reduces that fragment's gradients only.
+
     ``check_replicas`` verifies with one checksum all-reduce that every replica holds identical
     parameters: after each reconciliation (with ``overlap_steps``: the reconciled value when it is
     applied, since the applied parameters keep each rank's local progress), and for ``ddp``, whose
@@ -174,6 +180,7 @@ class SyncConfig:
     outer_lr: float | None = None
     outer_momentum: float | None = None
     compression: str = "none"
+    fragments: int = 1
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -201,6 +208,7 @@ class SyncConfig:
         self._check_overlap_and_auto()
         self._check_outer()
         self._check_compression()
+        self._check_fragments()
         if not is_int(self.warmup_steps) or self.warmup_steps < 0:
             raise ConfigError(
                 f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}: "
@@ -265,6 +273,24 @@ class SyncConfig:
         if self.auto:
             raise ConfigError(f"compression={self.compression!r} with period='auto': the controller's numbers "
                               "ride in an uncompressed average; pass a fixed period or compression='none'")
+
+    def _check_fragments(self) -> None:
+        if not is_int(self.fragments) or self.fragments < 1:
+            raise ConfigError(f"fragments must be an integer >= 1, got {self.fragments!r}: pass 1 to reconcile the "
+                              "whole model at once, or e.g. 4 to stream it in 4 fragments")
+        if self.fragments == 1:
+            return
+        for bad, why, fix in (
+            (self.strategy == "ddp", "strategy 'ddp' never reconciles", "use strategy 'localsgd', 'slowmo' or 'cpdp'"),
+            (self.auto, "period='auto' decides one K for the whole model", "pass a fixed period"),
+            (self.strategy == "cpdp" and self.cpdp_order != "average-then-step",
+             "cpdp_order='step-then-average' all-reduces every gradient at each reconciliation",
+             "use cpdp_order='average-then-step'"),
+            (self.optimizer_state != "keep", f"optimizer_state={self.optimizer_state!r} acts on the whole "
+             "optimizer at each reconciliation", "use optimizer_state='keep'"),
+        ):
+            if bad:
+                raise ConfigError(f"fragments={self.fragments} with {why}: {fix}, or fragments=1")
 
     def _check_overlap_and_auto(self) -> None:
         if not is_int(self.overlap_steps) or self.overlap_steps < 0:
@@ -396,4 +422,5 @@ class SyncConfig:
             ("outer_momentum (x 1e9, -1: default)",
              -1 if self.outer_momentum is None else round(float(self.outer_momentum) * 1e9), None),
             ("compression (crc32)", zlib.crc32(self.compression.encode()), None),
+            ("fragments", self.fragments, None),
         ]

@@ -52,7 +52,8 @@ from torch.nn.parallel import DistributedDataParallel
 from cpdpkit.errors import ConfigError
 from cpdpkit.labels import SYNC
 from cpdpkit.sync._comm import Communicator
-from cpdpkit.sync._flat import FlatParameters
+from cpdpkit.sync._flat import FlatParameters, SegmentedParameters
+from cpdpkit.sync._fragments import FragmentParameters, Part, fragment_offset
 from cpdpkit.sync._grad_buckets import GradientBuckets
 from cpdpkit.sync._reconcile import STATS_SLOTS, Reconciler
 from cpdpkit.sync._replicas import check_replicas
@@ -160,22 +161,46 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         self._counts = {"local_steps": 0, "reconciliations": 0, "gradient_syncs": 0}
         self._extra_bytes = 0
         self._no_sync = False
-        self._buckets: GradientBuckets | None = None
         self._shard_grads: ShardGradientSync | None = None
-        self._reconciler = Reconciler(
-            self.config, self._flat, slow=self._slow, world=self._comm, optimizer=self.optim,
-            params=self._params, buffers=self._buffers,
-            blocked_s=lambda: sum(c.blocked_s for c in self._communicators()),
-            on_reconciled=self._check_reconciled if self.config.check_replicas else None,
-        )
+        self._parts = [self._part(i, flat) for i, flat in enumerate(self._fragments())]
         names = {id(p): name for name, p in self._module.named_parameters()}
-        self._param_names = [names.get(id(p), f"#{i}") for i, p in enumerate(self._flat_params())]
+        self._param_names = {id(p): names.get(id(p), f"#{i}") for i, p in enumerate(self._flat_params())}
         self._after_ran = False
         if self._executor is not None:  # last: its refusals come before any change to the executor
             self._executor.attach_periodic_sync(self)
         self._start()
 
     # -- construction ----------------------------------------------------------------------
+    def _fragments(self) -> list[SegmentedParameters]:
+        """The layout itself, or ``fragments`` slices of it (plain modules only; checked before any collective)."""
+        fragments = self.config.fragments
+        if fragments == 1:
+            return [self._flat]
+        if self._ddp is not None or self._sharded or self._executor is not None:
+            kind = "a DDP-wrapped" if self._ddp is not None else "an FSDP2" if self._sharded else "an executor's"
+            raise ConfigError(f"fragments={fragments} with {kind} model: streaming fragments need a plain module "
+                              "(its gradients in cpdpkit's own buckets); pass the plain module, or fragments=1")
+        return list(FragmentParameters.split(self._flat, fragments))
+
+    def _part(self, index: int, flat: SegmentedParameters) -> Part:
+        """Fragment ``index``'s reconciler: its stagger, and the buffers only with fragment 0."""
+        cfg = self.config
+        check = (lambda step, values: self._check_reconciled(flat, step, values)) if cfg.check_replicas else None
+        offset = fragment_offset(index, cfg.fragments, int(cfg.period)) if cfg.fragments > 1 else 0
+        return Part(flat, Reconciler(
+            cfg, flat, slow=self._slow, world=self._comm, optimizer=self.optim, params=self._params,
+            buffers=self._buffers if index == 0 else list, offset=offset,
+            blocked_s=lambda: sum(c.blocked_s for c in self._communicators()), on_reconciled=check))
+
+    @property
+    def _reconciler(self) -> Reconciler:
+        """Fragment 0's (the whole model's without fragments): the schedule the step kinds follow."""
+        return self._parts[0].reconciler
+
+    @property
+    def _buckets(self) -> GradientBuckets | None:
+        return self._parts[0].buckets
+
     def _init_torch_optimizer(self, inner: torch.optim.Optimizer) -> None:
         """Run torch's ``Optimizer.__init__``, then take the inner optimizer's objects."""
         # torch's __init__ creates the hook registries and wraps ``step`` (step hooks, global
@@ -223,27 +248,43 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
             if self._buffers():
                 sync_buffers(self._comm, self._buffers(), "broadcast", self.config.bucket_cap_bytes)
         if self._keeps_anchor:
-            self._flat.capture_anchor(momentum=self._slow_momentum)
+            for part in self._parts:
+                part.flat.capture_anchor(momentum=self._slow_momentum)
         for comm in self._communicators():
             comm.reset_counters()  # stats count from the first step, not construction
         if self._executor is not None:
             self._executor.publish_slices()  # the broadcast slices into every rank's model
             # its slice gradients, handed over by the executor (reduce_gradient), in DDP-style buckets
-            self._buckets = GradientBuckets(self._params, bucket_cap_bytes=self.config.bucket_cap_bytes,
-                                            target=self._gradient_target, hooks=False)
+            self._parts[0].buckets = self._gradient_buckets(self._parts[0], self._params, hooks=False)
         elif self._sharded:
-            self._shard_grads = ShardGradientSync(self.model, target=self._gradient_target)
+            self._shard_grads = ShardGradientSync(self.model, target=self._gradient_target,
+                                                  compression=self._grad_compression,
+                                                  compressed=lambda: self._compresses_gradients(self._parts[0]))
+            if self._grad_compression != "none":
+                self._parts[0].grad_feedback = self._shard_grads
         elif self._ddp is None:
-            trained = {id(q) for q in self._params}
-            self._buckets = GradientBuckets(
-                [p for p in self.model.parameters() if id(p) in trained],
-                bucket_cap_bytes=self.config.bucket_cap_bytes,
-                target=self._gradient_target,
-            )
+            for part in self._parts:  # per fragment: a synchronous step all-reduces its fragment's gradients
+                if isinstance(part.flat, FragmentParameters):
+                    pieces = part.flat.pieces()
+                    part.buckets = self._gradient_buckets(part, [p for p, _, _ in pieces],
+                                                          ranges=[(a, b) for _, a, b in pieces])
+                    continue
+                trained = {id(q) for q in self._params}
+                part.buckets = self._gradient_buckets(part, [p for p in self.model.parameters() if id(p) in trained])
+        for part in self._parts:
+            if part.buckets is not None:
+                part.grad_feedback = part.buckets.feedback
         if self.config.warmup_steps == 0:
             self._begin_periodic_phase()
         self._arm_next_step()
-        self._reconciler.mark(0)
+        for part in self._parts:
+            part.reconciler.mark(0)
+
+    def _gradient_buckets(self, part: Part, params: list[torch.Tensor], *, hooks: bool = True,
+                          ranges: list[tuple[int, int]] | None = None) -> GradientBuckets:
+        return GradientBuckets(params, bucket_cap_bytes=self.config.bucket_cap_bytes, hooks=hooks, ranges=ranges,
+                               target=lambda: self._gradient_target(part), compression=self._grad_compression,
+                               compressed=lambda: self._compresses_gradients(part))
 
     @property
     def _keeps_anchor(self) -> bool:
@@ -296,39 +337,56 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
     def next_step_kind(self) -> StepKind:
         return self._reconciler.schedule.kind(self._step + 1)
 
-    def _syncs_gradients(self, n: int) -> bool:
-        kind = self._reconciler.schedule.kind(n)
+    def _syncs_gradients(self, n: int, part: Part | None = None) -> bool:
+        """Whether step ``n`` all-reduces (``part``'s, default fragment 0's) gradients across the group."""
+        rec = (part or self._parts[0]).reconciler
+        kind = rec.schedule.kind(n)
         if self.config.averages_first and kind not in (StepKind.DDP, StepKind.WARMUP):
-            return n == self._reconciler.sync_step  # the step after an applied average
+            return n == rec.sync_step  # the step after an applied average
         return self.config.kind_syncs_gradients(kind)
 
-    def _averages_after(self, n: int) -> bool:
-        """Whether step ``n`` ends with a (blocking or launched) average."""
+    def _averages_after(self, n: int, part: Part | None = None) -> bool:
+        """Whether step ``n`` ends with a (blocking or launched) average (of ``part``, default fragment 0)."""
+        schedule = (part or self._parts[0]).reconciler.schedule
         if self.config.averages_first:
-            return n > self.config.warmup_steps and self._reconciler.schedule.kind(n + 1) is StepKind.RECONCILE
-        return self._reconciler.schedule.kind(n) is StepKind.RECONCILE
+            return n > self.config.warmup_steps and schedule.kind(n + 1) is StepKind.RECONCILE
+        return schedule.kind(n) is StepKind.RECONCILE
 
     def _begin_periodic_phase(self) -> None:
         """average-then-step: when the first periodic step is a reconciliation (K = 1), the replicas are
         already at a consensus (the broadcast, or warm-up's all-reduced steps): it is synchronous as it is."""
         first = self.config.warmup_steps + 1
-        if self.config.averages_first and self._reconciler.schedule.kind(first) is StepKind.RECONCILE:
-            self._reconciler.schedule.reconciled(first)
-            self._reconciler.sync_step = first
+        for rec in (part.reconciler for part in self._parts):
+            if self.config.averages_first and rec.schedule.kind(first) is StepKind.RECONCILE:
+                rec.schedule.reconciled(first)
+                rec.sync_step = first
 
-    def _gradient_target(self) -> Communicator | None:
-        """The communicator the coming step's gradients are averaged over (hook time)."""
-        if self._syncs_gradients(self._step + 1):
+    def _gradient_target(self, part: Part | None = None) -> Communicator | None:
+        """The communicator the coming step's (``part``'s) gradients are averaged over (hook time)."""
+        if self._syncs_gradients(self._step + 1, part):
             return self._comm
         return self._fast
+
+    @property
+    def _grad_compression(self) -> str:
+        # only cpdp's periodic phase all-reduces gradients across the slow group
+        return self.config.compression if self.config.strategy == "cpdp" else "none"
+
+    def _compresses_gradients(self, part: Part) -> bool:
+        """Whether the coming step's gradient sync of ``part`` is compressed: ``cpdp``'s synchronous step with a
+        codec (warm-up's all-reduces stay fp32, as DDP's; only the periodic phase's exchanges are compressed)."""
+        n = self._step + 1
+        return (self.config.compression != "none" and self._syncs_gradients(n, part)
+                and part.reconciler.schedule.kind(n) not in (StepKind.DDP, StepKind.WARMUP))
 
     def _arm_next_step(self) -> None:
         """Tell the gradient path whether the coming backward communicates."""
         if self._ddp is not None:
             syncs = self._syncs_gradients(self._step + 1) and not self._no_sync
             self._ddp.require_backward_grad_sync = syncs
-        if self._buckets is not None:
-            self._buckets.enabled = not self._no_sync
+        for part in self._parts:
+            if part.buckets is not None:
+                part.buckets.enabled = not self._no_sync
         if self._sharded:  # FSDP2's switch: no reduce-scatter (and so no hook) inside no_sync()
             self.model.set_requires_gradient_sync(not self._no_sync)
         if self._executor is not None:
@@ -358,10 +416,12 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
                 loss = closure()
         n = self._step + 1
         kind = self._reconciler.schedule.kind(n)
-        syncs = self._syncs_gradients(n)
-        target = self._gradient_target()
-        if self._buckets is not None and target is not None:
-            self._buckets.finish(target)  # an executor's: the means land in its own gradient tensors
+        syncs = any(self._syncs_gradients(n, part) for part in self._parts)
+        if self._buckets is not None:
+            for part in self._parts:
+                target = self._gradient_target(part)
+                if target is not None:  # an executor's: the means land in its own gradient tensors
+                    part.buckets.finish(target)  # type: ignore[union-attr]
         elif self._shard_grads is not None:
             self._shard_grads.finish()
         elif self._ddp is not None and syncs:  # DDP's reducer sent them; count its payload
@@ -387,20 +447,22 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
             if kind is StepKind.DDP and self.config.check_replicas:  # ddp's replicas are identical after every step
                 check_replicas(self._comm, self._named_values(self._flat.pack()), when=f"after step {n}")
         else:
-            if kind is StepKind.LOCAL:
+            if all(part.reconciler.schedule.kind(n) is StepKind.LOCAL for part in self._parts):
                 self._counts["local_steps"] += 1
-            if self._averages_after(n):
-                self._counts["reconciliations"] += 1
-                if self.config.overlap_steps:
-                    self._reconciler.launch(n)
+            for part in self._parts:  # with fragments, one reconciliation each (staggered)
+                if self._averages_after(n, part):
+                    self._counts["reconciliations"] += 1
+                    if self.config.overlap_steps:
+                        part.reconciler.launch(n)
+                    else:
+                        part.reconciler.reconcile_blocking(n)
                 else:
-                    self._reconciler.reconcile_blocking(n)
-            else:
-                self._reconciler.apply(n, force=False)  # an overlapped average due at this step
+                    part.reconciler.apply(n, force=False)  # an overlapped average due at this step
         if self._keeps_anchor and n == self.config.warmup_steps:
             # The periodic phase starts here: SlowMo's anchor is the post-warm-up parameters.
-            self._flat.capture_anchor(momentum=self._slow_momentum)
-            self._reconciler.mark(n)
+            for part in self._parts:
+                part.flat.capture_anchor(momentum=self._slow_momentum)
+                part.reconciler.mark(n)
         if n == self.config.warmup_steps > 0:
             self._begin_periodic_phase()
 
@@ -435,8 +497,9 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
     def flush(self) -> None:
         """Apply a reconciliation still in flight (``overlap_steps >= 1``) now, e.g. at the end
         of training; every rank must call it. Nothing happens when none is in flight."""
-        applied = self._reconciler.in_flight is not None
-        self._reconciler.apply(self._step)
+        applied = any(part.reconciler.in_flight is not None for part in self._parts)
+        for part in self._parts:
+            part.reconciler.apply(self._step)
         if applied and self._executor is not None:
             self._executor.publish_slices()
 
@@ -459,17 +522,22 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
     def _flat_params(self) -> list[torch.Tensor]:
         return [p for seg in self._flat.segments for p in seg.params]
 
-    def _named_values(self, values: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-        """``(name, its slice of values)`` per parameter; ``values`` laid out as the flat segments."""
-        out, i = [], 0
-        for seg, flat in zip(self._flat.segments, values):
-            for shape, off in zip(seg.shapes, seg.offsets):
-                out.append((self._param_names[i], flat[off : off + shape.numel()].view(shape)))
-                i += 1
+    def _named_values(self, values: list[torch.Tensor],
+                      flat: SegmentedParameters | None = None) -> list[tuple[str, torch.Tensor]]:
+        """``(name, its slice of values)`` per parameter; ``values`` laid out as ``flat``'s segments (default: all)."""
+        flat = flat or self._flat
+        starts = flat.starts if isinstance(flat, FragmentParameters) else None  # a fragment may hold a piece
+        out = []
+        for si, (seg, v) in enumerate(zip(flat.segments, values)):
+            for j, (p, shape, off) in enumerate(zip(seg.params, seg.shapes, seg.offsets)):
+                name = self._param_names[id(p)]
+                if starts is not None and shape.numel() != p.numel():
+                    name += f"[{starts[si][j]}:{starts[si][j] + shape.numel()}] (flattened)"
+                out.append((name, v[off : off + shape.numel()].view(shape)))
         return out
 
-    def _check_reconciled(self, step: int, values: list[torch.Tensor]) -> None:
-        check_replicas(self._comm, self._named_values(values), when=f"after the reconciliation of step {step}")
+    def _check_reconciled(self, flat: SegmentedParameters, step: int, values: list[torch.Tensor]) -> None:
+        check_replicas(self._comm, self._named_values(values, flat), when=f"after the reconciliation of step {step}")
 
     # -- stats and checkpoints -----------------------------------------------------------------
     def _communicators(self) -> list[Communicator]:
@@ -491,7 +559,7 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
             bytes_sent=sum(c.bytes_sent for c in comms) + self._extra_bytes,
             blocked_s=sum(c.blocked_s for c in comms),
             period=self.period,
-            in_flight=self._reconciler.in_flight is not None,
+            in_flight=any(part.reconciler.in_flight is not None for part in self._parts),
             period_decisions=tuple(self._reconciler.decisions),
         )
 
@@ -500,8 +568,9 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
 
         ``{"state": ..., "param_groups": ..., "cpdpkit": {"version", "config", "step",
         "counts", "layout", "anchor", "slow_momentum", "schedule", "decisions",
-        "in_flight"}}``. A reconciliation in flight is waited for (not applied: it still applies
-        at its step) and saved, so a resumed run continues bit-identically. The wrapper's
+        "in_flight", "residuals", "grad_residuals", "fragments"}}`` (with ``fragments`` > 1, each fragment's
+        anchor ... grad_residuals in ``"fragments"``). A reconciliation in flight is waited for (not applied: it
+        still applies at its step) and saved, so a resumed run continues bit-identically. The wrapper's
         state-dict pre-hooks run first and its post-hooks see (and may replace) the whole
         dict, as torch's.
 
@@ -523,8 +592,9 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
             "step": self._step,
             "counts": dict(self._counts),
             "layout": self._flat.layout(),
-            **self._flat.slowmo_state(),
-            **self._reconciler.state_dict(),
+            # without fragments the one reconciler's state at the top level; with them, each fragment's
+            **(self._parts[0].state_dict() if len(self._parts) == 1 else self._flat.slowmo_state()),
+            "fragments": [part.state_dict() for part in self._parts] if len(self._parts) > 1 else None,
         }
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
@@ -552,12 +622,15 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
             self.optim.load_state_dict(inner_state)
         self._alias_inner()
         self._flat.ensure_bound()
-        self._flat.load_slowmo_state(own)
-        if self._keeps_anchor and own.get("anchor") is None:
-            self._flat.capture_anchor(momentum=self._slow_momentum)
         self._step = int(own["step"])
         self._counts.update(own.get("counts", {}))
-        self._reconciler.load_state_dict(own, self._step)
+        anchor = self._slow_momentum if self._keeps_anchor else None  # None: no anchor to capture
+        if len(self._parts) == 1:
+            self._parts[0].load_state_dict(own, self._step, capture=anchor)
+        else:
+            self._flat.load_slowmo_state(own)
+            for part, saved in zip(self._parts, own["fragments"], strict=True):
+                part.load_state_dict(saved, self._step, capture=anchor)
         self._arm_next_step()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)

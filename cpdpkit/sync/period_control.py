@@ -151,11 +151,12 @@ class PeriodSchedule:
     any result due) and :meth:`decided` when a decision's result is applied.
     """
 
-    def __init__(self, config: SyncConfig) -> None:
+    def __init__(self, config: SyncConfig, offset: int = 0) -> None:
         self._config = config
         self.period = config.k_min if config.auto else int(config.period)  # the K decided last
         self.last_reconcile = config.warmup_steps  # the last reconciliation (or the end of warm-up)
-        self.gap = self.period  # steps from last_reconcile to the next reconciliation
+        # steps from last_reconcile to the next reconciliation; a fragment's first one trails by its offset
+        self.gap = self.period + offset
 
     def kind(self, n: int) -> StepKind:
         c = self._config

@@ -100,6 +100,9 @@ class HybridBenchConfig:
     lr: float = 3e-3
     period: int = 4  # K of the cpdp-over-hsdp strategies
     overlap_steps: int = 1  # τ of cpdp-over-hsdp-overlap
+    # the codec of the cpdp-over-* strategies' cross-site exchanges (their averages and synchronous-step
+    # gradients: one codec per tier, the WAN; inside a site FSDP2 / the executor send fp32 as always)
+    compression: str = "none"
     seed: int = 0
     profile_dir: str | None = None
 
@@ -134,6 +137,12 @@ class HybridBenchConfig:
                               f"with --period {self.period}")
         if not self.lr > 0:
             raise ConfigError(f"--lr must be > 0, got {self.lr!r}")
+        from cpdpkit.sync.config import SyncConfig
+
+        try:
+            SyncConfig(strategy="cpdp", period=self.period, compression=self.compression)
+        except ConfigError as exc:
+            raise ConfigError(f"--compression: {exc}") from None
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

@@ -22,7 +22,8 @@ from cpdpkit.errors import ConfigError
 from cpdpkit.sync.config import OUTER_OPTIMIZERS, STATE_POLICIES, SyncConfig, is_torch_optimizer_name, slowmo_beta_for
 from cpdpkit.topology import PRESETS
 
-__all__ = ["BENCH_STRATEGIES", "DEFAULT_STRATEGIES", "LR_SCHEDULES", "OUTER_STEP", "PERIODIC", "SYNC_KEYS",
+__all__ = ["BENCH_STRATEGIES", "COMPRESSIBLE", "DEFAULT_STRATEGIES", "LR_SCHEDULES", "OUTER_STEP", "PERIODIC",
+           "SYNC_KEYS",
            "BenchConfig", "RunSpec", "slowmo_beta_for"]
 
 # every strategy the bench knows; the default runs all but slowmo-overlap and cpdp-step-then-average
@@ -33,6 +34,10 @@ DEFAULT_STRATEGIES = BENCH_STRATEGIES[:-2]
 # run at every K of --periods; cpdp-auto picks its own K (period None)
 PERIODIC = ("localsgd-torch", "localsgd", "slowmo", "cpdp", "cpdp-overlap", "slowmo-overlap",
             "cpdp-step-then-average")
+# ours at a fixed K: swept over --compression and (but for cpdp-step-then-average) split into --fragments
+# (cpdp-auto's controller rides in an uncompressed average; ddp and localsgd-torch are torch's own)
+COMPRESSIBLE = ("localsgd", "slowmo", "cpdp", "cpdp-overlap", "slowmo-overlap", "cpdp-step-then-average")
+FRAGMENTABLE = COMPRESSIBLE[:-1]  # the step-then-average order all-reduces every gradient at once
 LR_SCHEDULES = ("constant", "cosine", "step")  # built by cpdpkit.bench.periodic.strategies.build_lr_scheduler
 # the strategies with an outer step: swept over --slowmo-momentum and --outer-lr
 OUTER_STEP = ("slowmo", "cpdp", "cpdp-overlap", "cpdp-auto", "slowmo-overlap", "cpdp-step-then-average")
@@ -43,7 +48,7 @@ MAX_RUNS = 10_000
 # The SyncConfig fields a run's spec carries (as these top-level keys of spec.json and of each result's
 # "spec", docs/json.md); the strategy, period, τ and cpdp_order follow from the bench strategy's name.
 SYNC_KEYS = ("slowmo_momentum", "slowmo_lr", "warmup_steps", "optimizer_state", "target_exposed_frac", "k_min",
-             "k_max", "max_divergence", "outer_optimizer", "outer_lr")
+             "k_max", "max_divergence", "outer_optimizer", "outer_lr", "compression", "fragments")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,6 +123,9 @@ class BenchConfig:
     outer_optimizer: str = "slowmo"  # slowmo | diloco | a torch.optim class name (slowmo and cpdp)
     # of an outer optimizer other than slowmo (None: diloco 0.7, a class 1.0); a tuple is swept
     outer_lr: float | tuple[float, ...] | None = None
+    # the codecs of the COMPRESSIBLE strategies' reconciliations, swept like periods (the others: "none")
+    compression: tuple[str, ...] = ("none",)
+    fragments: int = 1  # the COMPRESSIBLE strategies' model in this many fragments, reconciled in turn
     warmup_steps: int = 0
     optimizer_state: str = "keep"
     lr_schedule: str = "constant"
@@ -189,13 +197,15 @@ class BenchConfig:
         # SyncConfig's options by their own names (SYNC_KEYS), the swept two at their first point
         options = {key: getattr(self, key) for key in SYNC_KEYS}
         object.__setattr__(self, "sync", SyncConfig(**{**options, "slowmo_momentum": self.betas[0],
-                                                        "outer_lr": self.outer_lrs[0]}))
+                                                        "outer_lr": self.outer_lrs[0], "compression": "none",
+                                                        "fragments": 1}))
 
     def _check_run_count(self) -> None:
         """Refuse more than :data:`MAX_RUNS` runs before :meth:`runs` builds them (each run is a launched job of
         seconds at least, so more is days of work, and a huge ``--seeds`` would exhaust memory building the list)."""
         per_seed = sum((len(self.periods) if strategy in PERIODIC else 1)
                        * (len(self.betas) * len(self.outer_lrs) if strategy in OUTER_STEP else 1)
+                       * len(self._codecs(strategy))
                        for strategy in self.strategies)
         count = len(self.topology_names) * self.seeds * per_seed
         if count > MAX_RUNS:
@@ -271,7 +281,33 @@ class BenchConfig:
     def outer_lrs(self) -> tuple[float | None, ...]:
         return self.outer_lr if isinstance(self.outer_lr, tuple) else (self.outer_lr,)
 
+    def _codecs(self, strategy: str) -> tuple[str, ...]:
+        return self.compression if strategy in COMPRESSIBLE else ("none",)
+
+    def _check_compression(self) -> None:
+        from cpdpkit.sync._codec import parse_compression
+
+        if isinstance(self.compression, str) or not isinstance(self.compression, tuple) or not self.compression:
+            raise ConfigError(f"--compression must name at least one codec, got {self.compression!r}: e.g. "
+                              "--compression none,int8,topk:0.02")
+        for codec in self.compression:
+            try:
+                parse_compression(codec)
+            except ConfigError as exc:
+                raise ConfigError(f"--compression: {exc}") from None
+        repeated = sorted({c for c in self.compression if self.compression.count(c) > 1})
+        if repeated:
+            raise ConfigError(f"--compression names {', '.join(repeated)} more than once: list each codec once")
+        if not is_int(self.fragments) or self.fragments < 1:
+            raise ConfigError(f"--fragments must be an integer >= 1, got {self.fragments!r}: e.g. --fragments 4 "
+                              "(1: the whole model at once)")
+        if self.fragments > 1 and self.optimizer_state != "keep":
+            raise ConfigError(f"--fragments {self.fragments} with --optimizer-state {self.optimizer_state}: a policy "
+                              "on the whole optimizer cannot follow fragments; use --optimizer-state keep or "
+                              "--fragments 1")
+
     def _check_sync_options(self) -> None:
+        self._check_compression()
         for beta in self.betas:
             if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
                 raise ConfigError(f"--slowmo-momentum must be in [0, 1), got {beta!r}: SlowMo's β, e.g. "
@@ -302,31 +338,38 @@ class BenchConfig:
     def runs(self) -> list[RunSpec]:
         """Every (topology, seed, strategy, period, outer point) to run, topology by topology, ddp first (the
         baseline); the strategies with an outer step (:data:`OUTER_STEP`) run at every swept β and outer lr."""
-        return [self._spec(topology, seed, strategy, period, beta, outer_lr)
+        return [self._spec(topology, seed, strategy, period, beta, outer_lr, codec)
                 for topology in self.topology_names
                 for seed in range(self.seeds)
                 for strategy in self.strategies
                 for period in (self.periods if strategy in PERIODIC else (None,))
+                for codec in self._codecs(strategy)
                 for beta in (self.betas if strategy in OUTER_STEP else self.betas[:1])
                 for outer_lr in (self.outer_lrs if strategy in OUTER_STEP else self.outer_lrs[:1])]
 
-    def _variant(self, strategy: str, beta: float, outer_lr: float | None) -> str | None:
-        if strategy not in OUTER_STEP:
-            return None
-        parts = ([f"β={beta:g}"] if len(self.betas) > 1 else []) + (
-            [f"outer lr={outer_lr:g}"] if len(self.outer_lrs) > 1 and outer_lr is not None else [])
+    def _variant(self, strategy: str, beta: float, outer_lr: float | None, codec: str) -> str | None:
+        """The run's point beyond strategy and K: a swept β / outer lr, a codec, a fragment count."""
+        parts = []
+        if strategy in OUTER_STEP:
+            parts += ([f"β={beta:g}"] if len(self.betas) > 1 else []) + (
+                [f"outer lr={outer_lr:g}"] if len(self.outer_lrs) > 1 and outer_lr is not None else [])
+        if strategy in COMPRESSIBLE:
+            parts += [codec] if codec != "none" else []
+        if strategy in FRAGMENTABLE and self.fragments > 1:
+            parts.append(f"fragments={self.fragments}")
         return " ".join(parts) or None
 
     def _spec(self, topology: str, seed: int, strategy: str, period: int | None, beta: float,
-              outer_lr: float | None) -> RunSpec:
+              outer_lr: float | None, codec: str) -> RunSpec:
         profile_dir = self.profile_dir
         if profile_dir is not None and len(self.topology_names) > 1:  # DIR/<topology>/<strategy>-k<K>/
             profile_dir = f"{profile_dir.rstrip('/')}/{topology}"
         return RunSpec(strategy=strategy, period=period, seed=seed, model=self.model,
                        dataset=self.dataset, data_dir=self.data_dir,
                        epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
-                       momentum=self.momentum, variant=self._variant(strategy, beta, outer_lr),
-                       sync=dataclasses.replace(self.sync, slowmo_momentum=beta, outer_lr=outer_lr),
+                       momentum=self.momentum, variant=self._variant(strategy, beta, outer_lr, codec),
+                       sync=dataclasses.replace(self.sync, slowmo_momentum=beta, outer_lr=outer_lr, compression=codec,
+                                                fragments=self.fragments if strategy in FRAGMENTABLE else 1),
                        quick=self.quick, profile_dir=profile_dir, lr_schedule=self.lr_schedule, augment=self.augment,
                        max_images=self.max_images, overlap_steps=self.overlap_steps, topology=topology,
                        fault=self.inject_fault,
@@ -338,4 +381,5 @@ class BenchConfig:
         out["slowmo_momentum"] = list(self.betas) if len(self.betas) > 1 else self.betas[0]
         out["outer_lr"] = list(self.outer_lrs) if len(self.outer_lrs) > 1 else self.outer_lrs[0]
         out["topologies"] = None if self.topologies is None else list(self.topologies)
+        out["compression"] = list(self.compression)
         return out

@@ -10,7 +10,12 @@ input is the ``--json`` schema (a results entry without ``"topology"``, from bef
 * on every topology: ``cpdp-auto``'s wall clock <= 1.05 × the best fixed K's, and its mean peak
   accuracy >= that K's − 0.3 pp. The fixed Ks are the ``cpdp`` results at K in {1, 2, 4, 8}; the
   best is the fastest (lowest mean wall clock; the smaller K on a tie) of those whose mean peak
-  accuracy is within 0.3 pp of the most accurate one.
+  accuracy is within 0.3 pp of the most accurate one;
+* on every topology (issue 24), against the same strategy uncompressed and unfragmented: ``cpdp`` K=4
+  ``int8`` bytes per step <= 0.30 × and peak accuracy >= − 0.3 pp; ``topk:0.02`` <= 0.05 × at >= − 0.5 pp;
+  ``cpdp-overlap`` K=4 with 4 fragments: the largest step's payload <= 0.30 × at >= − 0.3 pp.
+
+The uncompressed, unfragmented result is the reference wherever a strategy and K are looked up.
 """
 
 from __future__ import annotations
@@ -27,6 +32,10 @@ FIXED_PERIODS = (1, 2, 4, 8)
 OVERLAP_TOPOLOGY = "wan"
 OVERLAP_EXPOSED_RATIO = 0.30
 AUTO_WALL_RATIO = 1.05
+# (strategy, compression, fragments, the byte measure, its ratio goal, the accuracy tolerance in pp)
+STREAM_GOALS = (("cpdp", "int8", 1, "bytes_per_step", 0.30, 0.3),
+                ("cpdp", "topk:0.02", 1, "bytes_per_step", 0.05, 0.5),
+                ("cpdp-overlap", "none", 4, "max_bytes_per_step", 0.30, 0.3))
 _EPS = 1e-9  # a difference of exactly -0.3 pp is within the tolerance despite float rounding
 _MAX_SHOWN = 12  # K changes shown in one K-over-time line before the middle is elided
 
@@ -35,7 +44,7 @@ _MAX_SHOWN = 12  # K changes shown in one K-over-time line before the middle is 
 class Goal:
     """One goal's verdict: ``text`` (the goal), ``measured`` (the numbers behind it), ``met``."""
 
-    name: str  # overlap_exposed | overlap_accuracy | auto_wall | auto_accuracy
+    name: str  # overlap_exposed | overlap_accuracy | auto_wall | auto_accuracy | <strategy>_<codec>_f<F>_bytes ...
     topology: str | None
     text: str
     measured: str
@@ -54,9 +63,11 @@ def _label(r: dict[str, Any]) -> str:
     return r["strategy"] if r.get("period") is None else f"{r['strategy']} K={r['period']}"
 
 
-def _find(report: dict[str, Any], strategy: str, period: int | None, topology: str | None) -> dict[str, Any] | None:
+def _find(report: dict[str, Any], strategy: str, period: int | None, topology: str | None,
+          compression: str = "none", fragments: int = 1) -> dict[str, Any] | None:
     for r in report["results"]:
         if (r["strategy"] == strategy and r.get("period") == period
+                and r.get("compression", "none") == compression and r.get("fragments", 1) == fragments
                 and result_topology(r, report["config"]) == topology):
             return r
     return None
@@ -134,12 +145,40 @@ def _auto_goals(report: dict[str, Any], topology: str | None) -> list[Goal]:
     return [wall, _accuracy_goal("auto_accuracy", topology, acc_text, auto, best)]
 
 
+def _stream_goals(report: dict[str, Any], topology: str | None) -> list[Goal]:
+    """Issue 24's: a codec's bytes or fragments' largest step against the same strategy sent whole in fp32."""
+    goals = []
+    where = f" on {topology}" if topology else ""
+    for strategy, codec, fragments, key, ratio_goal, tolerance in STREAM_GOALS:
+        mine = _find(report, strategy, 4, topology, codec, fragments)
+        base = _find(report, strategy, 4, topology)
+        if mine is None or not _ok(base):
+            continue
+        what = codec if fragments == 1 else f"{fragments} fragments"
+        measure = "bytes per step" if key == "bytes_per_step" else "largest step's payload"
+        name = f"{strategy}_{codec}_f{fragments}"
+        text = f"{strategy} K=4 {what}: {measure} <= {ratio_goal:.2f} × uncompressed's{where}"
+        acc_text = f"{strategy} K=4 {what}: mean peak accuracy >= uncompressed's − {tolerance} pp{where}"
+        if not _ok(mine):
+            goals += [_failed(name + "_bytes", topology, text, mine), _failed(name + "_accuracy", topology, acc_text,
+                                                                              mine)]
+            continue
+        ratio = mine[key] / base[key] if base[key] > 0 else math.nan
+        goals.append(Goal(name=name + "_bytes", topology=topology, text=text, met=ratio <= ratio_goal,
+                          measured=f"{mine[key]:,.0f} / {base[key]:,.0f} B = {ratio:.3f}×"))
+        diff = (mine["peak_test_acc"] - base["peak_test_acc"]) * 100
+        goals.append(Goal(name=name + "_accuracy", topology=topology, text=acc_text, met=diff >= -tolerance - _EPS,
+                          measured=f"{mine['peak_test_acc'] * 100:.2f} % vs {base['peak_test_acc'] * 100:.2f} % "
+                                   f"({diff:+.2f} pp)"))
+    return goals
+
+
 def overlap_and_auto_goals(report: dict[str, Any]) -> list[Goal]:
     """Every goal whose runs ``report`` (the ``--json`` form) holds, in print order."""
     goals = _overlap_goals(report)
     topologies = dict.fromkeys(result_topology(r, report["config"]) for r in report["results"])
     for topology in topologies:
-        goals += _auto_goals(report, topology)
+        goals += _auto_goals(report, topology) + _stream_goals(report, topology)
     return goals
 
 

@@ -26,7 +26,7 @@ __all__ = ["StrategyResult", "BenchReport", "aggregate", "paired_difference", "r
 
 
 _MEAN_KEYS = ("peak_test_acc", "final_test_acc", "wall_s", "step_s", "exposed_sync_s_per_step",
-              "bytes_per_step", "collectives_per_step")
+              "bytes_per_step", "max_bytes_per_step", "collectives_per_step")
 
 
 # Student's t, 0.975 quantile, for 1..30 degrees of freedom (beyond: the expansion below).
@@ -96,7 +96,9 @@ class StrategyResult:
     delta_wall_ci95_s: tuple[float, float] | None = None
     paired_seeds: int = 0  # seeds where this strategy and ddp both finished
     curve: tuple[dict[str, float], ...] = field(default_factory=tuple)
-    variant: str | None = None  # one point of a swept outer step ("β=0.2", "outer lr=0.7"); None: no sweep
+    variant: str | None = None  # the point beyond strategy and K ("β=0.2", "int8 fragments=4"); None: none
+    compression: str = "none"  # the run's codec (spec["compression"]; older runs: none)
+    fragments: int = 1
 
     @property
     def label(self) -> str:
@@ -106,7 +108,7 @@ class StrategyResult:
     def to_dict(self) -> dict[str, Any]:
         return {
             "strategy": self.strategy, "period": self.period, "variant": self.variant, "topology": self.topology,
-            "status": self.status,
+            "compression": self.compression, "fragments": self.fragments, "status": self.status,
             "reasons": list(self.reasons), **self.means,
             "std": self.stds, "delta_acc_pp_vs_ddp": self.delta_acc_pp,
             "delta_acc_ci95_pp": _as_list(self.delta_acc_ci95_pp),
@@ -144,7 +146,7 @@ class BenchReport:
 
 def _seed_entry(run: dict[str, Any]) -> dict[str, Any]:
     keep = ("status", "reason", "peak_test_acc", "final_test_acc", "wall_s", "step_s", "steps",
-            "exposed_sync_s_per_step", "bytes_per_step", "collectives_per_step", "final_loss",
+            "exposed_sync_s_per_step", "bytes_per_step", "max_bytes_per_step", "collectives_per_step", "final_loss",
             "harness_s", "launch_s", "curve", "dataset_info", "period_history", "mean_period")
     faulted = {k: run[k] for k in ("restarts", "fault") if k in run}  # --inject-fault runs only
     return {"seed": run["spec"]["seed"], **{k: run.get(k) for k in keep}, **faulted}
@@ -167,11 +169,13 @@ def _one(topology: str | None, strategy: str, period: int | None, variant: str |
     ok = [r for r in runs if r.get("status") == "ok"]
     means, stds = {}, {}
     for key in _MEAN_KEYS:
-        means[key], stds[key] = _mean_std([float(r[key]) for r in ok])
+        means[key], stds[key] = _mean_std([float(r[key]) for r in ok if key in r])  # older runs lack newer keys
     reasons = tuple(f"seed {r['spec']['seed']}: {r.get('reason')}" for r in runs if r.get("status") != "ok")
     status = "ok" if ok else (runs[0].get("status") or "failed")
     harness = statistics.fmean(r.get("harness_total_s", 0.0) for r in runs) if runs else 0.0
+    spec = runs[0]["spec"] if runs else {}
     return StrategyResult(strategy=strategy, period=period, variant=variant, topology=topology, status=status,
+                          compression=spec.get("compression", "none"), fragments=int(spec.get("fragments", 1)),
                           reasons=reasons,
                           means=means, stds=stds, seeds=tuple(_seed_entry(r) for r in runs),
                           harness_s=harness, curve=_mean_curve(ok))

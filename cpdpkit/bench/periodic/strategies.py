@@ -80,8 +80,10 @@ class StrategyRunner:
         self.module, self._forward, self.optimizer = module, forward, optimizer
         self.meter = Meter()
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        self.max_step_bytes = 0  # the largest payload one training step sent (this rank)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        before = self.bytes_sent()
         self.optimizer.zero_grad()
         loss = nn.functional.cross_entropy(self._forward(x), y)
         loss.backward()
@@ -89,7 +91,12 @@ class StrategyRunner:
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
+        self.max_step_bytes = max(self.max_step_bytes, self.bytes_sent() - before)
         return float(loss.detach())
+
+    def bytes_sent(self) -> int:
+        """Payload bytes this rank's strategy has sent so far."""
+        return self.meter.bytes_sent
 
     def _after_backward(self) -> None:
         pass
@@ -149,6 +156,9 @@ class _Ours(StrategyRunner):
     def finish(self) -> Meter:
         stats = self.optimizer.stats
         return Meter(stats.blocked_s, stats.collectives, stats.bytes_sent)
+
+    def bytes_sent(self) -> int:
+        return self.optimizer.stats.bytes_sent
 
     def period_history(self) -> tuple[list[dict[str, Any]], float | None]:
         return period_history(self.optimizer.stats.to_dict(), self.initial_period)

@@ -219,8 +219,8 @@ def main(argv: list[str] | None = None) -> None:
         out = _train(spec, runner, data, run_dir, rank, world, prof)
     m = runner.finish()
     params_sha256 = _params_sha256(runner.module, world)
-    meter = torch.tensor([m.exposed_s])
-    dist.all_reduce(meter, op=dist.ReduceOp.MAX)
+    meter = torch.tensor([m.exposed_s, float(runner.max_step_bytes)], dtype=torch.float64)
+    dist.all_reduce(meter, op=dist.ReduceOp.MAX)  # the slowest rank's exposed time, the largest step payload
     steps = max(out["steps"], 1)
     wall = max((p["wall_s"] for p in out["curve"]), default=out["train_s"])
     result = {
@@ -229,8 +229,9 @@ def main(argv: list[str] | None = None) -> None:
         "peak_test_acc": max((p["test_acc"] for p in out["curve"]), default=math.nan),
         "final_test_acc": out["curve"][-1]["test_acc"] if out["curve"] else math.nan,
         "wall_s": wall, "step_s": wall / steps, "steps": out["steps"],
-        "exposed_sync_s_per_step": float(meter) / steps,
+        "exposed_sync_s_per_step": float(meter[0]) / steps,
         "collectives_per_step": m.collectives / steps, "bytes_per_step": m.bytes_sent / steps,
+        "max_bytes_per_step": float(meter[1]), "compression": spec.sync.compression, "fragments": spec.sync.fragments,
         "final_loss": out["final_loss"], "curve": out["curve"],
         "harness_s": {"setup": setup_s, "eval_and_checks": out["harness_s"]},
         "final_params_sha256": params_sha256,
