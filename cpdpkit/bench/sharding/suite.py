@@ -68,8 +68,9 @@ SHARDING_STRATEGIES = ("fsdp2", "fsdp2-zero2", "hsdp", "zero1", "zero1-overlap",
 # of it the jobs' start-up (~15 s each); --strategies picks a subset.
 DEFAULT_STRATEGIES = SHARDING_STRATEGIES
 # The compute model the planner chooses unit sizes with (PlannerConfig.flops_per_s): one rank of this
-# suite, 4 ranks sharing 2 CPU cores. Its A100 default would price gpt-tiny's step at 0.2 ms of compute, under
-# which nothing overlaps a 1 ms link and one merged unit wins; see docs/results.md for the measurement.
+# suite, 4 ranks sharing 2 CPU cores (benchmarks/sharding_rank_flops.py: ~9 GFLOP/s on one thread, halved).
+# Its A100 default would price gpt-tiny's step at 0.2 ms of compute, under which nothing overlaps a 1 ms link
+# and one merged unit wins (docs/results.md).
 RANK_FLOPS_PER_S = 4.5e9
 # Optimizers by name: elementwise ones (TwoStageExecutor can run them) and known others (refused).
 _ELEMENTWISE = ("adamw", "adam", "sgd")
