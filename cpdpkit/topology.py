@@ -33,7 +33,8 @@ two nodes; else one node of up to 8 ranks) and leaves the node count open. ``mul
 three tiers (NVLINK in a node, IB between the nodes of a site, the ``wan`` WAN between its two
 sites): two nodes per site and ``ranks_per_node`` open, or, with ``ranks_per_node`` given, the
 number of nodes per site open. ``cluster-slow-ib`` (the sharding suite's) is ``cluster`` with
-nodes of 2 ranks and an IB scaled down to CPU compute.
+nodes of 2 ranks and an IB scaled down to CPU compute; ``cluster-slower-ib`` slows that IB further
+(the suite's communication-dominated scenario).
 
 TOML format (what :meth:`TopologySpec.to_toml` writes)::
 
@@ -425,6 +426,8 @@ _WAN_VARIABLE = replace(_WAN, latency_jitter_frac=0.3, bandwidth_jitter_frac=0.5
 # A real HDR link is 5 us / 25 GB/s, but a GPU computes about 1,000x faster than the two CPU cores the
 # sharding suite runs on; scaling the link down by ~170x keeps communication a comparable share of a step
 _SLOW_IB = Tier(name="IB", latency_s=1e-3, bandwidth_bytes_per_s=150e6)
+# communication-dominated: the same link a further 3x slower in bandwidth and 2x in latency (sharding suite)
+_SLOWER_IB = Tier(name="IB", latency_s=2e-3, bandwidth_bytes_per_s=50e6)
 
 
 @dataclass(frozen=True)
@@ -466,7 +469,8 @@ def _cluster(name: str, world: int | None, rpn: int | None) -> TopologySpec:
 
 
 def _cluster_slow_ib(name: str, _world: int | None, rpn: int | None) -> TopologySpec:
-    return TopologySpec(name=name, tiers=(_NVLINK, _SLOW_IB), intra_node_tier="NVLINK", inter_node_tier="IB",
+    ib = _SLOWER_IB if name == "cluster-slower-ib" else _SLOW_IB
+    return TopologySpec(name=name, tiers=(_NVLINK, ib), intra_node_tier="NVLINK", inter_node_tier="IB",
                         ranks_per_node=rpn if rpn is not None else 2, nodes_per_site=None, num_sites=1,
                         description=PRESETS[name])
 
@@ -508,6 +512,9 @@ _REGISTRY: dict[str, _Preset] = {
     "cluster-slow-ib": _Preset(
         "nodes of 2 ranks: NVLINK inside (3 us, 300 GB/s), IB between scaled to CPU compute "
         "(1 ms, 150 MB/s); the sharding suite's default (even world sizes)", _cluster_slow_ib),
+    "cluster-slower-ib": _Preset(
+        "cluster-slow-ib with the IB a further 2x slower in latency and 3x in bandwidth (2 ms, 50 MB/s): the "
+        "sharding suite's communication-dominated scenario (even world sizes)", _cluster_slow_ib),
 }
 PRESETS: dict[str, str] = {name: p.description for name, p in _REGISTRY.items()}  # name -> description
 

@@ -42,11 +42,16 @@ OPTIMIZERS = {
 
 # ---- helpers shared with tests/_partial_jobs.py -------------------------------------------------
 def with_stage1_schedule(plan: Any, backward_s: float = 0.05) -> Any:
-    """``plan`` with a schedule from long backward times: the blocks' exchanges fit in backward (stage 1)."""
-    from cpdpkit.planner import UnitTiming, plan_two_stage
+    """``plan`` with a schedule from long backward times in which both blocks' exchanges are stage 1: without
+    ``at_points`` (the executors' launch points, under which the last block before the root cannot be), so
+    these tests drive two speculative stage-1 units per step through the executors' trigger fallback."""
+    from cpdpkit.planner import UnitTiming
+    from cpdpkit.planner.schedule import exchange_schedule
 
     timings = [UnitTiming(name=u.name, forward_s=backward_s / 2, backward_s=backward_s) for u in plan.units]
-    return dataclasses.replace(plan, schedule=plan_two_stage(plan, timings=timings))
+    schedule = exchange_schedule(plan.units, timings, plan.topology, plan.config, plan.mesh.shard_size,
+                                 at_points=False)
+    return dataclasses.replace(plan, schedule=schedule)
 
 
 class _SleepInBackward(torch.autograd.Function):

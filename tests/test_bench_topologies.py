@@ -39,8 +39,8 @@ pytestmark = pytest.mark.timeout(60)
         ({"max_divergence": 0.0}, "--max-divergence must be > 0, got 0.0: e.g. --max-divergence 0.01, or leave it "
                                   "out for no cap"),
         ({"topologies": ("lan", "moon")}, "unknown topology 'moon' in --topologies: choose from lan, wan, "
-                                          "wan-variable, cluster, multisite, cluster-slow-ib (a TOML file: "
-                                          "--topology FILE)"),
+                                          "wan-variable, cluster, multisite, cluster-slow-ib, cluster-slower-ib "
+                                          "(a TOML file: --topology FILE)"),
         ({"topologies": ()}, "--topologies is empty: name at least one preset, e.g. --topologies lan,wan"),
         ({"topologies": ("wan", "lan", "wan")}, "--topologies names wan more than once: list each topology once"),
         ({"optimizer_state": "average"}, "--optimizer-state average cannot be applied late, as cpdp-overlap would: "

@@ -189,3 +189,27 @@ def test_partial_buckets_broadcast_views_and_bf16_on_4_gloo_ranks(gloo_results):
                 torch.testing.assert_close(run["params"][fqn], expect, rtol=0, atol=3e-2, msg=f"{reduce} {fqn}")
             assert len(run["errors"]) == 1 and "mp_policy param_dtype = torch.bfloat16" in run["errors"][0]
             assert "\n" not in run["errors"][0]
+
+
+@pytest.mark.timeout(30)
+def test_bad_bucket_size_plan_kind_and_mp_dtype_are_exact_one_line_errors():
+    from cpdpkit.shard.executor import TwoStageExecutor
+
+    plan = _plan("wan", stage1=False)
+    sgd = lambda g: torch.optim.SGD(g, lr=0.1)  # noqa: E731
+    cases = [
+        (lambda: PlannerConfig(min_unit_bytes=0),  # the unit (a partial bucket) size
+         "min_unit_bytes = 0 is invalid; use a whole number of bytes > 0 or None"),
+        (lambda: PartialShardExecutor(pj.Net(), dataclasses.replace(plan, param_sharding="sharded"), sgd),
+         "plan 'partial' has param_sharding = 'sharded'; PartialShardExecutor runs partial plans: plan with "
+         "PlannerConfig(param_sharding='replicated'), or run this plan with TwoStageExecutor / apply_plan"),
+        (lambda: TwoStageExecutor(pj.Net(), plan, sgd),
+         "plan 'partial' keeps parameters replicated (partial sharding); use PartialShardExecutor for it"),
+        (lambda: PartialShardExecutor(pj.Net(), plan, sgd, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16)),
+         "mp_policy computes in param_dtype = torch.float16; PartialShardExecutor supports float32 or bfloat16 "
+         "parameters: set param_dtype=torch.bfloat16 (or torch.float32)"),
+    ]
+    for make, message in cases:
+        with pytest.raises(PlannerError) as info:
+            make()
+        assert str(info.value) == message

@@ -101,6 +101,26 @@ def test_backfill_runs_a_later_deadline_that_fits_the_gap():
 
 
 @pytest.mark.timeout(10)
+def test_at_points_an_exchange_waits_for_the_next_gradient_ready_point():
+    # _three's timeline; the executor acts only in hooks at 2 (C), 4 (B), 6 (A, the end of backward): C's release 3
+    # moves to B's point 4, B's 5 to A's point 6, A's 7 is after backward and stays. C runs after B's reduce-scatter
+    # [4,5] in [5,6] (stage 1, launched at B's hook); B and A only after A's reduce-scatter [6,7], in deadline order.
+    from cpdpkit.shard._slice_schedule import stage1_triggers
+
+    args = dict(reduce_scatter_s=[1, 1, 1], all_gather_s=[1, 0.5, 1], num_bytes=[10, 20, 30])
+    sched = schedule_two_stage(_timings(("A", 1, 2), ("B", 1, 2), ("C", 1, 2)), at_points=True, **args)
+    s = _by_unit(sched)
+    assert [(s[u].release_s, s[u].start_s, s[u].stage) for u in "ABC"] == [(7, 7, 2), (6, 8, 2), (4, 5, 1)]
+    assert sched.num_stage1 == 1 and _three(ag_c=1.0).num_stage1 == 2  # without the points, B too
+    units = [type("U", (), {"name": n, "plan_index": i, "stage": s[n].stage, "order": s[n].order})()
+             for i, n in enumerate("ABC")]
+    assert {k: [u.name for u in v] for k, v in stage1_triggers(units, sched).items()} == {"B": ["C"]}
+    _check_invariants(sched)
+    with pytest.raises(ValueError, match="at_points = 1 must be True or False"):
+        schedule_two_stage(_timings(("A", 1, 1)), reduce_scatter_s=[1], all_gather_s=[1], num_bytes=[1], at_points=1)
+
+
+@pytest.mark.timeout(10)
 def test_update_time_delays_the_release():
     sched = schedule_two_stage(_timings(("A", 1, 2)), reduce_scatter_s=[1], all_gather_s=[1], num_bytes=[1],
                                update_s=0.25)
@@ -142,7 +162,7 @@ def test_random_timelines_keep_every_invariant():
         sched = schedule_two_stage(timings, reduce_scatter_s=[rng.uniform(0, 2) for _ in range(n)],
                                    all_gather_s=[rng.uniform(0, 3) for _ in range(n)], num_bytes=[1] * n,
                                    update_s=rng.choice([0.0, 0.1]), clip=rng.random() < 0.3,
-                                   norm_s=rng.choice([0.0, 0.05]))
+                                   norm_s=rng.choice([0.0, 0.05]), at_points=rng.random() < 0.5)
         _check_invariants(sched)
 
 
@@ -235,7 +255,7 @@ def test_cli_prints_the_schedule_and_writes_it(tmp_path):
     result = CliRunner().invoke(app, [*args, "--json", str(out)])
     assert result.exit_code == 0, result.output
     for text in ("two-stage exchange schedule on the IB link", "deadline", "stage", "<root>", "layers.31",
-                 "... 25 more", "32 unit(s) in stage 1", "1 in stage 2", "exposed tail naive"):
+                 "... 25 more", "31 unit(s) in stage 1", "2 in stage 2", "exposed tail naive"):
         assert text in result.output, text
     data = json.loads(out.read_text())
     assert len(data["plan"]["schedule"]["slots"]) == 33

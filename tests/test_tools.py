@@ -191,12 +191,10 @@ def test_docs_tables_renders_the_sharding_suite(tmp_path: Path) -> None:
               "results": [result("hsdp", 124.9, 68.2, 3_451_904),
                           {**result("two-stage", 73.2, 35.4, 1_725_952), "stage1_units": 2.5,
                            "stage1_units_predicted": 3, "num_units": 5}],
-              "goals": {"step_time_ratio": 0.586, "step_time_met": True, "exposed_comm_ratio": 0.519,
-                        "exposed_comm_met": False, "optimizer_state_bytes": 1_725_952,
-                        "optimizer_state_target": 1_725_952.0, "optimizer_state_met": True,
-                        "final_loss_abs_diff": 0.0, "final_loss_met": True,
-                        "stage1": {"two-stage": {"measured": 2.5, "predicted": 3, "num_units": 5, "abs_diff": 0.5,
-                                                 "target": 1.0, "met": True}}}}
+              "goals": {"two-stage": {"stage1": {"measured": 2.5, "predicted": 3, "num_units": 5, "abs_diff": 0.5,
+                                                 "target": 1.0, "min": 1.0, "met": True},
+                                      "optimizer_state": {"bytes": 1_725_952, "target": 1_725_952.0, "ratio": 1.0,
+                                                          "met": True}}}}
     path = tmp_path / "sharding.json"
     path.write_text(json.dumps(report))
     text, _ = docs_tables.render(path)
@@ -205,8 +203,10 @@ def test_docs_tables_renders_the_sharding_suite(tmp_path: Path) -> None:
     assert "| hsdp | ok | 124.9 | 68.2 | 1.73 | 5.04 | 3.452 | 139 | 5.399612 | - |" in lines
     assert "| two-stage | ok | 73.2 | 35.4 | 1.73 | 5.04 | 1.726 | 139 | 5.399612 | 2.50 / 3 of 5 |" in lines
     # the goals exactly as `cpdpkit bench sharding` prints them, partial blocks included
-    assert "two-stage vs hsdp: exposed comm x0.519 (target <= 0.5) not met" in lines
-    assert "two-stage stage-1 exchanges per step: measured 2.50 vs predicted 3 of 5 (target |diff| <= 1) met" in lines
+    assert ("two-stage optimizer state 1725952 B/rank = x1.000 of hsdp's / replicas (1725952; target <= 1) met"
+            in lines)
+    assert ("two-stage stage-1 exchanges per step: measured 2.50 vs predicted 3 of 5 (target >= 1, |diff| <= 1) met"
+            in lines)
 
 
 def test_docs_tables_skips_other_json(tmp_path: Path) -> None:

@@ -217,8 +217,8 @@ def _bad_base(old: str, new: str):
 
 ERRORS = [
     (lambda: preset("moon"),
-     "unknown topology preset 'moon'; use one of lan, wan, wan-variable, cluster, multisite, cluster-slow-ib or a "
-     "path to a .toml file"),
+     "unknown topology preset 'moon'; use one of lan, wan, wan-variable, cluster, multisite, cluster-slow-ib, "
+     "cluster-slower-ib or a path to a .toml file"),
     (lambda: preset("wan", world_size=3),
      "topology 'wan' needs a world size divisible by 2 (2 site(s) x 1 node(s) x ? rank(s)); got 3; "
      "run a multiple of 2 ranks or use a TOML file"),

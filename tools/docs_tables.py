@@ -51,7 +51,8 @@ MAIN_DEFAULTS = {"strategies": ["ddp", "localsgd-torch", "localsgd", "slowmo", "
                  "target_exposed_frac": 0.05, "k_min": 1, "k_max": 8, "max_divergence": None, "topologies": None,
                  "inject_fault": None, "compression": ["none"], "fragments": 1}
 MAIN_QUICK = {"strategies": ["ddp", "localsgd-torch", "cpdp"], "periods": [4], "epochs": 3}
-SHARDING_DEFAULTS = {"strategies": ["fsdp2", "hsdp", "zero1", "zero1-overlap", "planned", "two-stage", "partial"],
+SHARDING_DEFAULTS = {"strategies": ["fsdp2", "fsdp2-zero2", "hsdp", "zero1", "zero1-overlap", "planned", "two-stage",
+                                    "partial"],
                      "model": "gpt-tiny", "world_size": 4, "topology": "cluster-slow-ib", "batch_size": 4, "lr": 0.003,
                      "steps": 10, "optimizer": "adamw", "memory_budget": None, "min_unit_bytes": None,
                      "max_grad_norm": None, "profile_dir": None}

@@ -73,13 +73,13 @@ def optimizer_step(model: torch.nn.Module, opt: Any, max_grad_norm: float | None
     return step
 
 
-def fully_shard_blocks(model: torch.nn.Module, mesh: Any) -> None:
+def fully_shard_blocks(model: torch.nn.Module, mesh: Any, *, reshard_after_forward: bool = True) -> None:
     """FSDP2 as the suites' peers use it: every block its own unit, then the root."""
     from torch.distributed.fsdp import fully_shard
 
     for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
 
 
 def ddp_over_blocks(model: torch.nn.Module) -> Any:

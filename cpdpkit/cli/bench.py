@@ -278,14 +278,15 @@ def bench(
 
 @bench_app.command("sharding")
 def sharding(
-    strategies: str | None = typer.Option(None, help="Comma-separated subset of fsdp2, hsdp, zero1, zero1-overlap, "
-                                             "planned, two-stage, partial.", show_default="all seven"),
+    strategies: str | None = typer.Option(None, help="Comma-separated subset of fsdp2, fsdp2-zero2, hsdp, zero1, "
+                                             "zero1-overlap, planned, two-stage, partial.", show_default="all eight"),
     model: str | None = typer.Option(None, help="gpt-tiny | gpt-small | gpt-micro.",
                                         show_default="gpt-tiny; --quick: gpt-micro"),
     world_size: int | None = typer.Option(None, help="Ranks per run (>= 2 nodes of the topology).",
                                              show_default="4"),
     topology: str | None = typer.Option(None, help="cluster-slow-ib (nodes of 2 ranks, a scaled-down IB link "
-                                           "between them), a preset or a TOML file.", show_default="cluster-slow-ib"),
+                                           "between them), cluster-slower-ib (communication dominates), a preset "
+                                           "or a TOML file.", show_default="cluster-slow-ib"),
     batch_size: int | None = typer.Option(None, help="Sequences per rank per step.", show_default="4"),
     lr: float | None = typer.Option(None, help="Learning rate.", show_default="0.003"),
     steps: int | None = typer.Option(None, help="Timed steps, after 2 warm-up steps (--quick: 1).",
@@ -306,8 +307,8 @@ def sharding(
     json_out: str | None = typer.Option(None, "--json", help="Write the results as JSON to FILE."),
     work_dir: str | None = typer.Option(None, help="Keep per-run folders here (default: a temp dir)."),
 ) -> None:
-    """fsdp2, hsdp, ZeRO-1 (zero1, zero1-overlap), planned, two-stage and partial on a small GPT over an emulated
-    two-tier cluster; compare them."""
+    """fsdp2, fsdp2-zero2, hsdp, ZeRO-1 (zero1, zero1-overlap), planned, two-stage and partial on a small GPT over
+    an emulated two-tier cluster; compare them."""
     config = sharding_config(strategies=strategies, model=model, world_size=world_size, topology=topology,
                              batch_size=batch_size, lr=lr, steps=steps, optimizer=optimizer,
                              memory_budget=memory_budget, min_unit_bytes=min_unit_bytes, max_grad_norm=max_grad_norm,

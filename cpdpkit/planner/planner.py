@@ -52,7 +52,7 @@ from cpdpkit.planner.config import PlannerConfig, PlannerError, ceil_div, format
 from cpdpkit.planner.model_spec import ROOT, ModelSpec
 from cpdpkit.planner.plan import CandidateSummary, MeshPlan, ParamPlacement, ShardingPlan, StateSharding, UnitPlan
 from cpdpkit.planner.presets import load_model_spec
-from cpdpkit.planner.schedule import compute_model, plan_two_stage, schedule_two_stage, unit_timing
+from cpdpkit.planner.schedule import compute_model, exchange_schedule, plan_two_stage, unit_timing
 from cpdpkit.topology import Topology, TopologySpec, resolve_topology
 
 __all__ = ["plan_sharding", "fsdp2_default_plan", "planning_summary", "resolve_inputs"]
@@ -283,22 +283,19 @@ def _groupings(spec: ModelSpec, min_bytes: int, param_bytes: int) -> list[list[l
 
 
 def _overlapped_s(topo: Topology, config: PlannerConfig, cand: Candidate, units: list[UnitPlan],
-                  evaluation: Evaluation) -> float:
+                  evaluation: Evaluation) -> tuple[float, float]:
     """Predicted exposed communication of a step with these units: the phases off the replicate axis
     as the cost model sums them, plus the two-stage schedule's exposed time of the replicate-axis
-    exchanges (reduce-scatters under backward, updated parameters under the rest of backward and
-    the next forward; :mod:`cpdpkit.planner.schedule`), on the config's compute model."""
+    exchanges as the candidate's executor runs them (reduce-scatters under backward, updated
+    parameters under the rest of backward and the next forward; :mod:`cpdpkit.planner.schedule`),
+    on the config's compute model; and how long after backward the last exchange ends (the tie-break:
+    when the root unit's exchange alone sets the exposed time, finer units still leave less traffic
+    for the next forward)."""
     model = compute_model(config)
-    s = cand.shard_size
-    net = topo.group(range(0, topo.world_size, s))
-    chunks = [ceil_div(u.padded_numel, s) for u in units]
     timings = [unit_timing(u.name, u.numel, model["tokens_per_rank"], model["flops_per_s"]) for u in units]
-    sched = schedule_two_stage(timings, reduce_scatter_s=[net.time_s("reduce_scatter", c * config.grad_bytes)
-                                                          for c in chunks],
-                               all_gather_s=[net.time_s("all_gather", c * config.param_bytes) for c in chunks],
-                               num_bytes=[c * config.param_bytes for c in chunks])
+    sched = exchange_schedule(units, timings, topo, config, cand.shard_size)
     off_axis = sum(p.time_s for p in evaluation.comm if p.axis != "replicate")
-    return off_axis + sched.exposed_s
+    return off_axis + sched.exposed_s, max(s.end_s for s in sched.slots) - sched.backward_s
 
 
 def _auto_min_unit_bytes(topo: Topology, shard_size: int) -> int:
@@ -382,11 +379,15 @@ def _evaluate_all(spec: ModelSpec, topo: Topology, config: PlannerConfig,
                 built = _build_units(spec, groups, cand.shard_size, balanced=balanced,
                                      raf=cand.reshard_after_forward)
             evaluation = evaluate(model, built[1], cand, config)
-            score = _overlapped_s(topo, config, cand, built[0], evaluation) if len(choices) > 1 else 0.0
-            scored.append((score, len(scored), evaluation, built))
-        _, _, evaluation, built = min(scored, key=lambda x: x[:2])
-        if evaluation is not scored[0][2]:  # the strategy is chosen as at the latency-bound size, its units for overlap
-            evaluation = replace(evaluation, ranking_time_s=scored[0][2].time_s)
+            score = _overlapped_s(topo, config, cand, built[0], evaluation) if len(choices) > 1 else (0.0, 0.0)
+            scored.append((*score, len(scored), evaluation, built))
+        # least predicted exposed time; among groupings within 1 % of it, the one whose link is free soonest
+        # after backward (least exchange traffic left for the next forward), then the coarsest
+        least = min(x[0] for x in scored)
+        close = [x for x in scored if x[0] <= least * (1 + _TIME_TIE_FRAC) + 1e-9]
+        *_, evaluation, built = min(close, key=lambda x: (x[1], x[2]))
+        if evaluation is not scored[0][3]:  # the strategy is chosen as at the latency-bound size, its units for overlap
+            evaluation = replace(evaluation, ranking_time_s=scored[0][3].time_s)
         if reconciling:
             evaluation = reconciled(model, built[1], evaluation, config)
         results.append((evaluation, built))

@@ -18,7 +18,12 @@ forward. This module decides, per unit, when its exchange runs on the slow link.
 * Its cross-replica gradient reduce-scatter occupies the slow link FIFO in ready order, as FSDP
   issues them, and is never delayed by an exchange (reduce-scatters have priority: they are fixed
   busy intervals computed first).
-* Its update ends ``update_s`` after its reduce-scatter: the exchange is *released* then.
+* Its update ends ``update_s`` after its reduce-scatter: the exchange is *released* then. The
+  executors act only in their gradient-ready hooks, so (``at_points``, as :func:`plan_two_stage`
+  builds every plan's schedule) a release during backward moves to the first gradient-ready point
+  at or after it: the root unit (ready at the end of backward) and the last block before it can
+  never be in stage 1 (the partial executor issues a unit's cross-node reduce-scatter at the next
+  parameter's gradient hook, once its in-node reduce-scatter is done: a layer later, not modeled).
 * The next forward runs units in plan order; unit ``u``'s *deadline* is the time its forward
   starts when nothing waits: ``B`` + the forward times of the units before it.
 * Each all-gather's duration is the α-β time of the replicate group's tier
@@ -68,6 +73,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from cpdpkit.planner.config import PlannerConfig, PlannerError, ceil_div
 from cpdpkit.planner.plan import ShardingPlan
@@ -87,6 +93,7 @@ __all__ = [
     "unit_timing",
     "schedule_two_stage",
     "plan_two_stage",
+    "exchange_schedule",
     "ALGORITHM",
     "DEFAULT_TOKENS_PER_RANK",
     "DEFAULT_FLOPS_PER_S",
@@ -140,6 +147,14 @@ def _reduce_scatters(timings: Sequence[UnitTiming],
     return ready, rs
 
 
+def _at_points(release: list[float], ready: list[float], backward_s: float) -> list[float]:
+    """Each release moved to the first gradient-ready point at or after it (an executor acts only in
+    its hooks); a release after backward stays (``step()`` follows backward at once)."""
+    points = sorted(ready)
+    return [r if r > backward_s + EPS_S else next((p for p in points if p >= r - EPS_S), backward_s)
+            for r in release]
+
+
 def _edf(release: list[float], deadline: list[float], dur: list[float],
          busy: list[tuple[float, float]]) -> list[float]:
     """Start times: non-preemptive EDF with release times around fixed busy intervals."""
@@ -179,11 +194,14 @@ def _forward_waits(ends: Sequence[float], forward: Sequence[float], begin_s: flo
 
 def schedule_two_stage(timings: Sequence[UnitTiming], *, reduce_scatter_s: Sequence[float],
                        all_gather_s: Sequence[float], num_bytes: Sequence[int], tier: str | None = None,
-                       update_s: float = 0.0, clip: bool = False, norm_s: float = 0.0) -> TwoStageSchedule:
+                       update_s: float = 0.0, clip: bool = False, norm_s: float = 0.0,
+                       at_points: bool = False) -> TwoStageSchedule:
     """Schedule each unit's exchange; all sequences are in plan (forward) order, one per unit.
 
     ``clip=True`` models a step whose gradient clipping scales: every update waits for the last
-    reduce-scatter and ``norm_s`` (module docstring).
+    reduce-scatter and ``norm_s`` (module docstring). ``at_points=True``: an exchange starts no
+    earlier than the first gradient-ready point after its release (the executors launch stage-1
+    exchanges only in their hooks), as :func:`plan_two_stage` schedules.
     """
     n = len(timings)
     if n == 0 or not len(reduce_scatter_s) == len(all_gather_s) == len(num_bytes) == n:
@@ -191,8 +209,9 @@ def schedule_two_stage(timings: Sequence[UnitTiming], *, reduce_scatter_s: Seque
                          f"count per unit (got {n}, {len(reduce_scatter_s)}, {len(all_gather_s)}, {len(num_bytes)})")
     check_seconds("update_s", update_s)
     check_seconds("norm_s", norm_s)
-    if not isinstance(clip, bool):
-        raise PlannerError(f"clip = {clip!r} must be True or False")
+    for flag, value in (("clip", clip), ("at_points", at_points)):
+        if not isinstance(value, bool):
+            raise PlannerError(f"{flag} = {value!r} must be True or False")
     for i in range(n):
         check_seconds(f"reduce_scatter_s[{i}]", reduce_scatter_s[i])
         check_seconds(f"all_gather_s[{i}]", all_gather_s[i])
@@ -205,6 +224,8 @@ def schedule_two_stage(timings: Sequence[UnitTiming], *, reduce_scatter_s: Seque
         release = [last_rs + norm_s + update_s] * n
     else:
         release = [rs[i][1] + update_s for i in range(n)]
+    if at_points:
+        release = _at_points(release, ready, backward_s)
     dur = [float(x) for x in all_gather_s]
     start = _edf(release, deadline, dur, rs)
     end = [start[i] + dur[i] for i in range(n)]
@@ -262,15 +283,24 @@ def plan_two_stage(plan: ShardingPlan, topology: Topology | None = None,
         extra = sorted(set(by_name) - {u.name for u in plan.units})
         raise PlannerError(f"timings must name every unit of the plan exactly once; missing {missing[:3]}, "
                          f"unknown {extra[:3]} (unit names: {[u.name for u in plan.units][:3]}...)")
-    s = plan.mesh.shard_size
-    net = topo.group(range(0, plan.world_size, s))
-    # a sharded plan's padded_numel divides by S; a partial plan's node slice is ceil(numel / S)
-    chunks = [ceil_div(u.padded_numel, s) for u in plan.units]
-    pb, gb = plan.config.param_bytes, plan.config.grad_bytes
     norm_s = topo.group(range(plan.world_size)).time_s("all_reduce", _NORM_BYTES) if clip else 0.0
+    return exchange_schedule(plan.units, [by_name[u.name] for u in plan.units], topo, plan.config,
+                             plan.mesh.shard_size, update_s=update_s, clip=clip, norm_s=norm_s)
+
+
+def exchange_schedule(units: Sequence[Any], timings: Sequence[UnitTiming], topo: Topology, config: PlannerConfig,
+                      shard_size: int, *, update_s: float = 0.0, clip: bool = False, norm_s: float = 0.0,
+                      at_points: bool = True) -> TwoStageSchedule:
+    """The schedule of ``units`` (plan order, each with ``padded_numel``) as their executor runs it: the
+    replicate group's α-β times of each unit's ``ceil(padded_numel / shard_size)`` elements, exchanges
+    launched at gradient-ready points (``at_points``). The planner scores unit sizes with it before a
+    plan exists; :func:`plan_two_stage` for a plan."""
+    net = topo.group(range(0, topo.world_size, shard_size))
+    # a sharded plan's padded_numel divides by S; a partial plan's node slice is ceil(numel / S)
+    chunks = [ceil_div(u.padded_numel, shard_size) for u in units]
+    pb, gb = config.param_bytes, config.grad_bytes
     return schedule_two_stage(
-        [by_name[u.name] for u in plan.units],
-        reduce_scatter_s=[net.time_s("reduce_scatter", c * gb) for c in chunks],
+        timings, reduce_scatter_s=[net.time_s("reduce_scatter", c * gb) for c in chunks],
         all_gather_s=[net.time_s("all_gather", c * pb) for c in chunks],
         num_bytes=[c * pb for c in chunks], tier=net.tier.name if net.tier else None, update_s=update_s,
-        clip=clip, norm_s=norm_s)
+        clip=clip, norm_s=norm_s, at_points=at_points)

@@ -5,10 +5,11 @@ Private to the slice executors (:mod:`cpdpkit.shard._slices`). Two parts:
 * :func:`stage1_triggers`: from a :class:`~cpdpkit.planner.timeline.TwoStageSchedule` (the
   same on every rank), the point at which each stage-1 exchange is launched: a unit's
   gradient-ready hook during backward, or the end of backward. The rule (see
-  :mod:`cpdpkit.shard.executor`, "Stage 1"): the first point in backward order whose
+  :mod:`cpdpkit.shard.executor`, "Stage 1"): the last point in backward order whose
   predicted time (the schedule's ``grad_ready_s`` of that point's unit, ``backward_s`` for the
-  end) is at or after the slot's ``start_s``. It depends only on the schedule, never on
-  thread timing, so every rank issues the replicate group's collectives in the same order.
+  end) lies between the slot's ``release_s`` and its ``start_s``. It depends only on the
+  schedule, never on thread timing, so every rank issues the replicate group's collectives in
+  the same order.
 * :class:`UnitClock`: per-unit forward and backward compute seconds and per-unit update
   seconds, measured from the executors' hooks, excluding the time spent inside those hooks.
 """
@@ -38,19 +39,24 @@ def stage1_triggers(units: Sequence[Any], schedule: TwoStageSchedule | None) -> 
     """Trigger point (a unit name or :data:`END`) -> the stage-1 units launched there, in schedule order.
 
     Points run in backward order: units by increasing ``grad_ready_s`` (ties: later plan
-    position first, as backward runs), then :data:`END` at ``backward_s``. A stage-1 slot
-    goes to the first point whose predicted time is ``>= start_s``; stage-1 slots end by
-    ``backward_s``, so :data:`END` always qualifies.
+    position first, as backward runs), then :data:`END` at ``backward_s``. A stage-1 slot goes
+    to the last point at or after its ``release_s`` and at or before its ``start_s`` (a schedule
+    built with ``at_points``, as :func:`~cpdpkit.planner.schedule.plan_two_stage` builds them,
+    always has one: the exchange is launched where the schedule starts it, its reduce-scatter
+    predicted done); in a schedule without one, the first point at or after ``start_s``.
     """
     out: dict[str, list[Any]] = {}
     if schedule is None:
         return out
     slots = {s.unit: s for s in schedule.slots}
     present = [u for u in units if u.name in slots]
-    points = sorted(present, key=lambda u: (slots[u.name].grad_ready_s, -u.plan_index))
+    points = [(p.name, slots[p.name].grad_ready_s)
+              for p in sorted(present, key=lambda u: (slots[u.name].grad_ready_s, -u.plan_index))]
+    points.append((END, schedule.backward_s))
     for u in sorted((u for u in present if u.stage == 1), key=lambda u: u.order):
-        start = slots[u.name].start_s
-        point = next((p.name for p in points if slots[p.name].grad_ready_s >= start - EPS_S), END)
+        slot = slots[u.name]
+        inside = [name for name, t in points if slot.release_s - EPS_S <= t <= slot.start_s + EPS_S]
+        point = inside[-1] if inside else next((name for name, t in points if t >= slot.start_s - EPS_S), END)
         out.setdefault(point, []).append(u)
     return out
 

@@ -277,7 +277,7 @@ class SliceExecutor(ExecutorStateMixin):
         """``unit``'s gradient is ready (its hook): launch its reduce-scatter, then this point's exchanges.
 
         ``clocked=False``: the caller's own hook clocks the unit's backward and fires the unit's
-        trigger point itself (:meth:`_fire`): the partial executor hands a unit on one hook later,
+        trigger point itself (:meth:`_fire`): the partial executor hands a unit on at the next parameter hook,
         once its in-node reduce-scatter is done, but the stage-1 exchanges due at a unit's point
         start at that unit's own hook, as the schedule predicts.
         """

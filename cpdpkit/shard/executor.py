@@ -27,22 +27,22 @@ points are derived from it, never from thread timing (gloo matches collectives b
 order; deciding by ``work.is_completed()`` would let ranks disagree and hang). The trigger
 points of a backward are the gradient-ready hooks in backward order plus the end of backward
 (an autograd-engine callback queued from the first hook, which runs after FSDP2's own final
-callback and so after the root unit's hook). **Trigger rule:** a stage-1 slot is launched at
-the first point whose predicted time (the schedule's ``grad_ready_s`` of that point's unit;
-``backward_s`` for the end) is at or after the slot's ``start_s``; several slots at one point
-go in the schedule's ``order``, after the reduce-scatter of the unit that just became ready
-(reduce-scatters have priority, as in the schedule). At its trigger a unit waits for its
-reduce-scatter (``grad_wait``), is updated (``update``) and its all-gather is launched
-(``param_all_gather``) while backward continues on earlier units. Units the schedule puts in
-stage 2 are updated and launched in :meth:`~TwoStageExecutor.step` in the schedule's order.
-Launching at the first point *after* ``start_s`` means the exchange queues behind that point's
-reduce-scatter (it starts a little later than scheduled), but its reduce-scatter is predicted
-done, so the wait is free when the prediction holds. The points are as coarse as the units: a
-slot whose window lies inside the last unit's backward (usually the root's, whose gradient is
-ready last) can only launch at the end of backward, so with few units little overlaps
-(``stats["stage1_units"]`` shows what did). Launching at the last point *before* ``start_s``
-instead would block the host on CPU until that reduce-scatter is done (on GPU the wait is a
-stream wait, so such a rule would suit it better). With ``update_in_backward=False`` every
+callback and so after the root unit's hook). **Trigger rule:** the schedule itself starts an
+exchange no earlier than the first point at or after its release (its reduce-scatter's end plus
+the update: :func:`~cpdpkit.planner.schedule.plan_two_stage` schedules ``at_points``), and a
+stage-1 slot is launched at the last point whose predicted time (the schedule's
+``grad_ready_s`` of that point's unit; ``backward_s`` for the end) lies between its release and
+its ``start_s``; several slots at one point go in the schedule's ``order``, after the
+reduce-scatter of the unit that just became ready (reduce-scatters have priority, as in the
+schedule, so an exchange launched there queues behind it on the link where the schedule starts it
+after it). At its trigger a unit waits for its reduce-scatter (``grad_wait``, predicted done), is
+updated (``update``) and its all-gather is launched (``param_all_gather``) while backward
+continues on earlier units. Units the schedule puts in stage 2 are updated and launched in
+:meth:`~TwoStageExecutor.step` in the schedule's order. The points are as coarse as the units:
+the root unit's gradient is ready at the end of backward and the last block's exchange is
+released only after it, so neither can be in stage 1, and with few units nothing is (the
+planner's unit sizes come from this schedule; ``stats["stage1_units"]`` shows what did overlap).
+With ``update_in_backward=False`` every
 update and launch happens in :meth:`~TwoStageExecutor.step` (the earlier executor's path); both
 paths give bit-identical parameters.
 

@@ -7,37 +7,38 @@ optimizer state are split over all ``W = R·S`` ranks of the plan's ``(replicate
 (``S`` ranks per node on the ``"shard"`` axis, ``R`` nodes on the ``"replicate"`` axis). Per
 unit of ``n`` elements (``c = ceil(n/S)``, ``d = ceil(c/R)``), every step:
 
-1. **Gradient ready.** A ``register_post_accumulate_grad_hook`` on each of the unit's
-   parameters counts them; when the last one is accumulated the unit's gradient is flattened
-   (``n`` elements, zero-padded to ``S·c``) and the parameters' ``.grad`` freed.
-2. **Reduce-scatter inside the node** (mean over ``S``, the fast tier; *synchronous* on the
-   training thread, so backward waits for it, ``grad_reduce_scatter``): rank ``i`` of the node
-   keeps node slice ``i``, elements ``[i·c, (i+1)·c)``.
+1. **Gradient ready.** The unit is one flat bucket: its parameters are views of ``flat_param``
+   and, while a step runs, their gradients views of ``flat_grad`` (autograd accumulates into
+   them; no per-parameter copies). A ``register_post_accumulate_grad_hook`` on each parameter
+   counts them; the last one is the unit's gradient-ready point.
+2. **Reduce-scatter inside the node** (mean over ``S``, the fast tier, ``async_op=True``,
+   ``grad_reduce_scatter``): rank ``i`` of the node keeps node slice ``i``, elements
+   ``[i·c, (i+1)·c)``. It is waited at the next parameter's gradient hook (a layer later, in
+   hook order, the same on every rank), which hands the node slice on:
 3. **Reduce-scatter of the node slice across nodes** (mean over ``R``, async) and from there
    the slice pipeline shared with :class:`~cpdpkit.shard.executor.TwoStageExecutor`
    (:mod:`cpdpkit.shard._slices`): rank ``(j, i)`` owns chunk ``j`` (``d`` elements) of node
    slice ``i``, the layout :func:`cpdpkit.planner._cost.partial_owned` prices, updates it in
-   fp32 with the inner optimizer and all-gathers it across nodes; stage 1 during backward at
-   the schedule-derived trigger, stage 2 in :meth:`~PartialShardExecutor.step`; the same
-   exact speculative clipping, ``stats``, ``calibrate()`` and checkpointing. See
-   :mod:`cpdpkit.shard.executor` for the trigger rule, clipping, its memory and the GPU notes.
-4. **All-gather inside the node** (synchronous, fast tier, ``param_all_gather``) of the node
-   slice the cross-node all-gather delivered, and the copy into the replicated parameters:
-   for stage-1 units at the end of ``step()``, for stage-2 units in the unit's forward
-   pre-hook (after backward no longer needs the old values, before the next forward reads them).
+   fp32 with the inner optimizer (one step of its param group, the bucket's slice) and
+   all-gathers it across nodes; stage 1 during backward at the schedule-derived trigger,
+   stage 2 in :meth:`~PartialShardExecutor.step`; the same exact speculative clipping,
+   ``stats``, ``calibrate()`` and checkpointing. See :mod:`cpdpkit.shard.executor` for the
+   trigger rule, clipping, its memory and the GPU notes.
+4. **All-gather inside the node** (async, fast tier, ``param_all_gather``) of the node slice the
+   cross-node all-gather delivered, straight into ``flat_param`` (the replicated parameters):
+   launched for stage-1 units at the end of ``step()``, for stage-2 units in the unit's forward
+   pre-hook, and waited by the unit's next forward pre-hook.
 
 Per step a rank sends on each link at most what a ring all-reduce of the model sends
 (``2(S-1)/S·M`` in the node, ``2(R-1)/R·M/S`` across nodes, against ``2(W-1)/W·M``): less
-memory without more communication. The in-node collectives are synchronous because they ride
-the fast tier and chaining them asynchronously would need one more wait point per unit; on GPU
-they would run on NCCL's stream ordered by the current stream as described for the two-stage
-executor.
+memory without more communication. The constructor broadcasts mesh rank ``(0, 0)``'s
+parameters, so replicas start identical; ``mp_policy`` (bf16) keeps the replicated parameters
+in ``param_dtype`` and the slices as fp32 masters.
 
-Limits: the model must start identical on every rank (seeded init or a loaded checkpoint; the
-executor does not broadcast); every trainable parameter must receive a gradient in every
-synced backward on every rank (a unit whose parameters are only partly reached is reduced at
-the end of backward with zeros for the missing ones); float32 parameters (no mixed precision);
-elementwise optimizers only.
+Limits: every trainable parameter must receive a gradient in every synced backward on every
+rank (a unit whose parameters are only partly reached is reduced at the end of backward with
+zeros for the missing ones); float32 model parameters (``mp_policy`` for bf16 compute);
+elementwise optimizers only; a bucket is a plan unit (the planner's unit sizes).
 """
 
 from __future__ import annotations
@@ -256,13 +257,14 @@ class PartialShardExecutor(SliceExecutor):
         if not self._sync:
             return
         self._begin_backward()
+        self._hand_on(keep=0)  # a layer after a bucket's last gradient: its in-node reduce-scatter had that long
         unit.num_accumulated += 1
         if unit.num_accumulated == len(unit.params):
             unit.num_accumulated = 0
             self._on_unit_grad(unit)
 
     def _on_unit_grad(self, unit: _Bucket) -> None:
-        """Launch the bucket's in-node reduce-scatter; hand the previous bucket on across nodes."""
+        """Launch the bucket's in-node reduce-scatter (handed on across nodes at the next parameter's hook)."""
         self._clock.unit_backward_enter(unit.plan_index, time.perf_counter())
         if unit.ready or unit.pending_node_rs is not None:
             raise PlannerError(f"{type(self).__name__}: a second synced backward before step() (unit {unit.name!r} "
@@ -280,8 +282,8 @@ class PartialShardExecutor(SliceExecutor):
 
     def _hand_on(self, keep: int) -> None:
         """The buckets whose in-node reduce-scatter was launched before the last ``keep``: wait for it
-        (the fast tier had a bucket's backward to finish it) and launch the cross-node reduce-scatter
-        of the node slice, in hook order (the same on every rank)."""
+        (the fast tier had at least one layer's backward to finish it) and launch the cross-node
+        reduce-scatter of the node slice, in hook order (the same on every rank)."""
         while len(self._handing) > keep:
             u = self._handing.pop(0)
             with record_function(SHARD.GRAD_WAIT.label):

@@ -104,8 +104,9 @@ def _setup(spec: dict[str, Any], model: torch.nn.Module, priming_batch: tuple[to
     from cpdpkit.shard.executor import optimizer_state_bytes
 
     world = dist.get_world_size()
-    if strategy == "fsdp2":
-        fully_shard_blocks(model, init_device_mesh("cpu", (world,), mesh_dim_names=("shard",)))
+    if strategy in ("fsdp2", "fsdp2-zero2"):  # zero2: parameters kept unsharded from forward to backward
+        fully_shard_blocks(model, init_device_mesh("cpu", (world,), mesh_dim_names=("shard",)),
+                           reshard_after_forward=strategy == "fsdp2")
     elif strategy == "hsdp":
         s = spec["ranks_per_node"]
         fully_shard_blocks(model, init_device_mesh("cpu", (world // s, s), mesh_dim_names=("replicate", "shard")))
