@@ -28,9 +28,12 @@ run: setup
 	mkdir -p runs
 	$(VENV)/bin/cpdpkit bench --json runs/bench.json --plot runs/bench.png
 
-# ruff, then the import layering (tools/check_layers.py), then the tests
+# ruff, then the import layering (tools/check_layers.py), then the tests on TEST_WORKERS pytest-xdist
+# workers: many tests wait on emulated links, process start-up and gloo rather than compute, and the
+# tests that share spawned ranks run on one worker (their xdist_group, tests/conftest.py)
+TEST_WORKERS ?= 3
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 lint: setup
 	$(VENV)/bin/ruff check .
