@@ -45,7 +45,7 @@ def world1():
     dist.destroy_process_group()
 
 
-# pytest-xdist (`make test` runs the suite on TEST_WORKERS workers, --dist loadgroup): the tests of one
+# pytest-xdist (`make test TEST_WORKERS=3`: -n 3 --dist loadgroup): the tests of one
 # xdist_group run on one worker, one after the other, so a session fixture that runs every collected
 # module's jobs runs once per run, not once per worker. Each test that asks for one of these fixtures
 # joins its group here. RANKS4 is also the group of the other heavy 4-rank jobs (the bench suites
