@@ -28,9 +28,13 @@ run: setup
 	mkdir -p runs
 	$(VENV)/bin/cpdpkit bench --json runs/bench.json --plot runs/bench.png
 
-# ruff, then the import layering (tools/check_layers.py), then the tests
+# ruff, then the import layering (tools/check_layers.py), then the tests; `make test TEST_WORKERS=3` runs
+# them on 3 pytest-xdist workers (the tests that share spawned ranks on one worker: their xdist_group,
+# tests/conftest.py). 0 (no workers) by default: under heavy load a test past its pytest-timeout crashed
+# its worker, and xdist's loadgroup scheduler then aborted the whole session (docs/results.md).
+TEST_WORKERS ?= 0
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -318,6 +318,16 @@ class Topology(_Links):
         """ranks_per_node × nodes_per_site × num_sites."""
         return self.ranks_per_node * self.nodes_per_site * self.num_sites
 
+    @property
+    def num_nodes(self) -> int:
+        """nodes_per_site × num_sites (the replicas of a node-sharded mesh)."""
+        return self.nodes_per_site * self.num_sites
+
+    @property
+    def ranks_per_site(self) -> int:
+        """ranks_per_node × nodes_per_site."""
+        return self.ranks_per_node * self.nodes_per_site
+
     def place(self, world_size: int) -> Topology:
         """This topology, after checking it places exactly ``world_size`` ranks."""
         _check_count("world_size", world_size, allow_none=False)

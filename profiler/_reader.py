@@ -32,7 +32,7 @@ import re
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 import orjson
 
@@ -53,6 +53,12 @@ WHOLE_LIMIT = 64 << 20  # a whole parse builds up to ~25 bytes of objects per by
 
 Batch = Callable[[Any, int], None]
 Parse = Callable[[bytes], Any]  # raises ValueError (orjson.JSONDecodeError is one) on invalid JSON
+
+
+class _Reads(Protocol):
+    """What the readers read from: a file, a gzip stream, a window of a file, or a bounded one of these."""
+
+    def read(self, n: int = -1, /) -> bytes: ...
 
 
 class StreamingNotPossible(Exception):
@@ -87,7 +93,7 @@ DEFAULT_LIMITS = TraceLimits()
 class _Bounded:
     """A file object that raises a one-line :class:`TraceFileError` once ``limit`` bytes have been read."""
 
-    def __init__(self, fh: BinaryIO, path: str, limit: int, flag: str) -> None:
+    def __init__(self, fh: BinaryIO | gzip.GzipFile, path: str, limit: int, flag: str) -> None:
         self.fh, self.path, self.left, self.limit, self.flag = fh, path, limit, limit, flag
 
     def read(self, n: int = -1) -> bytes:
@@ -111,14 +117,14 @@ def _open_bounded(path: str, limits: TraceLimits, limit: int | None = None, flag
                     "is real")
 
 
-def _open(path: str) -> BinaryIO:
+def _open(path: str) -> BinaryIO | gzip.GzipFile:
     try:
         raw = open(path, "rb")  # noqa: SIM115 - closed by the caller
     except OSError as exc:
         raise TraceFileError(path, f"cannot read the file ({exc.strerror or exc})") from None
     if raw.read(2) == _GZIP_MAGIC:
         raw.seek(0)
-        return gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[return-value]
+        return gzip.GzipFile(fileobj=raw, mode="rb")
     raw.seek(0)
     if path.endswith(".gz"):
         raw.close()
@@ -126,7 +132,7 @@ def _open(path: str) -> BinaryIO:
     return raw
 
 
-def _read(fh: BinaryIO, n: int, path: str) -> bytes:
+def _read(fh: _Reads, n: int, path: str) -> bytes:
     try:
         return fh.read(n)
     except EOFError:
@@ -164,7 +170,7 @@ def _parse_all(data: bytes, path: str) -> dict[str, Any]:
     return _meta_from(doc, path)
 
 
-def _stream_array(fh: BinaryIO, buf: bytes, path: str, chunk: int, on_batch: Batch, parse: Parse,
+def _stream_array(fh: _Reads, buf: bytes, path: str, chunk: int, on_batch: Batch, parse: Parse,
                   limits: TraceLimits) -> bytes:
     """Feed the events of the open ``traceEvents`` array to ``on_batch``; return what follows it.
 
@@ -249,20 +255,20 @@ def read_events(
     """
     path = os.fspath(path)
     with _open_bounded(path, limits) as fh:
-        head = bytearray()
+        buf = bytearray()
         while True:
-            m = _KEY.search(head)
+            m = _KEY.search(buf)
             if m:
                 break
-            if len(head) > HEAD_LIMIT:
+            if len(buf) > HEAD_LIMIT:
                 raise StreamingNotPossible
-            more = _read(fh, max(chunk_bytes, len(head)), path)  # type: ignore[arg-type]  # doubling: linear
+            more = _read(fh, max(chunk_bytes, len(buf)), path)  # doubling: linear
             if not more:
                 raise StreamingNotPossible
-            head += more
-        head = bytes(head)
-        rest = _stream_array(fh, head[m.end() :], path, chunk_bytes, on_batch, parse, limits)  # type: ignore[arg-type]
-        tail = rest + _read(fh, -1, path)  # type: ignore[arg-type]
+            buf += more
+        head = bytes(buf)
+        rest = _stream_array(fh, head[m.end() :], path, chunk_bytes, on_batch, parse, limits)
+        tail = rest + _read(fh, -1, path)
     return meta_around(head[: m.end()], tail)
 
 
@@ -318,9 +324,9 @@ def read_range(path: str, start: int, end: int, last: bool, on_batch: Batch, *,
     what follows the array (``last``), else ``b""``."""
     with open(path, "rb") as raw:
         fh = _Window(raw, start, None if last else end, b"" if last else b"]")
-        rest = _stream_array(fh, b"", path, chunk_bytes, on_batch, parse, limits)  # type: ignore[arg-type]
+        rest = _stream_array(fh, b"", path, chunk_bytes, on_batch, parse, limits)
         if last:
-            return rest + _read(fh, -1, path)  # type: ignore[arg-type]
+            return rest + _read(fh, -1, path)
     if rest.strip() or fh.read():
         raise StreamingNotPossible
     return b""
@@ -334,7 +340,7 @@ def read_events_whole(path: str, on_batch: Batch, *, limits: TraceLimits = DEFAU
     flag = ("decompressed, the most read whole (the streaming reader could not follow this file: it is not "
             "valid JSON, or its 'traceEvents' starts after the first 64 MiB)") if limit == WHOLE_LIMIT else None
     with _open_bounded(path, limits, limit, flag) as fh:
-        data = _read(fh, -1, path)  # type: ignore[arg-type]
+        data = _read(fh, -1, path)
     doc = _parse_all(data, path)
     del data
     events = doc.pop("traceEvents")

@@ -41,6 +41,7 @@ from cpdpkit.labels import EMU_PREFIX, KINDS, EmuLabel, parse_emu_label, parse_r
 __all__ = [
     "KINDS",
     "STEP_NAME",
+    "step_number",
     "canonical_kind",
     "NameClass",
     "classify_name",
@@ -60,6 +61,14 @@ _SYNC_KERNEL = re.compile(r"^Stream Wait Event")
 _BACKEND_PREFIXES = ("gloo:", "mpi:", "ucc:")
 # the step markers torch.profiler writes on the training thread (group 1: the step number)
 STEP_NAME = re.compile(r"^ProfilerStep#(\d+)$")
+
+
+def step_number(name: str) -> int:
+    """The step number of a ``ProfilerStep#N`` marker (a row of ``RankTrace.rows_of(steps=True)``)."""
+    m = STEP_NAME.match(name)
+    if m is None:
+        raise ValueError(f"{name!r} is not a ProfilerStep#N marker")
+    return int(m.group(1))
 
 
 def canonical_kind(text: str) -> str:

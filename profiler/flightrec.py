@@ -212,10 +212,17 @@ def _members(pg: str, dumps: Sequence[RankDump], world: tuple[int, ...]) -> tupl
     return world
 
 
+def _name_prefix(path: str) -> str:
+    """The ``<prefix>`` of a dump named ``<prefix><rank>`` (:func:`is_dump` checked the name)."""
+    m = _RANK_SUFFIX.match(os.path.basename(path))
+    assert m is not None
+    return m.group(1)
+
+
 def _check_one_run(folder: str, dumps: Sequence[RankDump]) -> None:
     versions = {d.version for d in dumps}
     ranks = [d.rank for d in dumps]
-    prefixes = {_RANK_SUFFIX.match(os.path.basename(d.path)).group(1) for d in dumps}  # type: ignore[union-attr]
+    prefixes = {_name_prefix(d.path) for d in dumps}
     worlds = {max(g) + 1 for d in dumps for g in d.groups.values() if g}
     problem = None
     if len(prefixes) > 1:

@@ -59,7 +59,7 @@ from typing import Any
 
 from cpdpkit.profiler import intervals as iv
 from cpdpkit.profiler._stats import median
-from cpdpkit.profiler.classify import STEP_NAME, parse_emu_label
+from cpdpkit.profiler.classify import parse_emu_label, step_number
 from cpdpkit.profiler.crossrank import rank_collectives
 from cpdpkit.profiler.report import CommTotals, RankReport, StepReport
 from cpdpkit.profiler.trace import RankTrace
@@ -116,7 +116,7 @@ def _steps(trace: RankTrace, thread: int | None, step_rows: list[int]) -> _Steps
     tid, nid, names = trace.thread_id, trace.name_id, trace.names
     rows = step_rows if thread is None else [r for r in step_rows if tid[r] == thread]
     s, e = trace.start_us, trace.end_us
-    steps = [(int(STEP_NAME.match(names[nid[r]]).group(1)), s[r], e[r]) for r in rows]  # type: ignore[union-attr]
+    steps = [(step_number(names[nid[r]]), s[r], e[r]) for r in rows]
     return sorted(steps, key=lambda x: x[1])
 
 

@@ -273,9 +273,11 @@ def _rank_split_per_step(r: RankReport) -> tuple[float, float] | None:
     steps = r.full_steps
     if not steps:
         return None if r.skew_us is None or r.transfer_us is None else (r.skew_us, r.transfer_us)
-    if any(s.skew_us is None or s.transfer_us is None for s in steps):
+    skews = [s.skew_us for s in steps if s.skew_us is not None]
+    transfers = [s.transfer_us for s in steps if s.transfer_us is not None]
+    if len(skews) < len(steps) or len(transfers) < len(steps):
         return None
-    return sum(s.skew_us for s in steps) / len(steps), sum(s.transfer_us for s in steps) / len(steps)  # type: ignore[misc]
+    return sum(skews) / len(steps), sum(transfers) / len(steps)
 
 
 def summarize_ranks(ranks: tuple[RankReport, ...], *,
@@ -286,9 +288,9 @@ def summarize_ranks(ranks: tuple[RankReport, ...], *,
                           {}, 0.0, None, None)
     per_rank = [_rank_per_step(r) for r in ranks]
     per_step: dict[str, Any] = {k: fmean(p[k] for p in per_rank) for k in _PER_STEP_KEYS}
-    splits = [_rank_split_per_step(r) for r in ranks]
+    splits = [split for r in ranks if (split := _rank_split_per_step(r)) is not None]
     for i, key in enumerate(("skew_us", "transfer_us")):
-        per_step[key] = None if None in splits else fmean(s[i] for s in splits)  # type: ignore[index]
+        per_step[key] = fmean(s[i] for s in splits) if len(splits) == len(ranks) else None
     spread = {
         key: _overlap_spread(ranks) if key == "overlap_pct" else _spread([getattr(r, key) for r in ranks])
         for key in ("compute_us", "comm_us", "exposed_us", "hidden_us", "overlap_pct")

@@ -515,12 +515,13 @@ def _comm_sizes(raw: Mapping[int, tuple[Any, ...]], world_size: int | None) -> d
     for row, (n_in, n_out, dtype, ranks, size) in raw.items():
         n_in, n_out = _int_arg(n_in), _int_arg(n_out)
         width = _DTYPE_BYTES.get(dtype) if isinstance(dtype, str) else None
-        if width is not None and (n_in is not None or n_out is not None):
-            n_in = n_in if n_in is not None else n_out
-            comm_bytes[row] = (n_in * width, (n_out if n_out is not None else n_in) * width)  # type: ignore[operator]
+        count_in = n_in if n_in is not None else n_out  # one count stands for both when the other is missing
+        count_out = n_out if n_out is not None else n_in
+        if width is not None and count_in is not None and count_out is not None:
+            comm_bytes[row] = (count_in * width, count_out * width)
         group = _ranks_arg(ranks)
-        if group is None and _int_arg(size) is not None and _int_arg(size) == world_size:
-            group = tuple(range(world_size))  # type: ignore[arg-type]
+        if group is None and world_size is not None and _int_arg(size) == world_size:
+            group = tuple(range(world_size))
         if group is not None:
             comm_ranks[row] = group
     return {"comm_bytes": comm_bytes, "comm_ranks": comm_ranks}

@@ -76,13 +76,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from operator import itemgetter
+from typing import TYPE_CHECKING
 
 from cpdpkit.errors import TopologyError
 from cpdpkit.network import COLLECTIVE_OPS
 from cpdpkit.profiler import intervals as iv
-from cpdpkit.profiler.classify import STEP_NAME, parse_emu_label
+from cpdpkit.profiler.classify import parse_emu_label, step_number
 from cpdpkit.profiler.report import RankReport, WhatIf
 from cpdpkit.profiler.trace import RankTrace
+
+if TYPE_CHECKING:
+    from cpdpkit.topology import Topology
 
 __all__ = ["RankTimeline", "rank_timeline", "replay", "predict_run", "WAIT_SLACK_US"]
 
@@ -126,7 +130,7 @@ def _step_windows(trace: RankTrace, report: RankReport) -> _Windows:
     if rows:
         thread = Counter(tid[r] for r in rows).most_common(1)[0][0]
         rows = [r for r in rows if tid[r] == thread]
-    by_num = {int(STEP_NAME.match(trace.names[trace.name_id[r]]).group(1)): r for r in rows}  # type: ignore[union-attr]
+    by_num = {step_number(trace.names[trace.name_id[r]]): r for r in rows}
     windows, measured = [], []
     for s in report.steps:
         row = by_num.get(s.step)
@@ -245,7 +249,7 @@ def rank_timeline(trace: RankTrace, report: RankReport) -> RankTimeline:
     )
 
 
-def _durations_us(tl: RankTimeline, topology, world_size: int) -> list[float]:  # type: ignore[no-untyped-def]
+def _durations_us(tl: RankTimeline, topology: Topology, world_size: int) -> list[float]:
     """Modeled duration of each collective in µs; NaN where it cannot be modeled."""
     out = [math.nan] * len(tl.launch_us)
     for i, (kind, nbytes, ranks) in enumerate(zip(tl.kind, tl.num_bytes, tl.ranks)):
@@ -386,7 +390,7 @@ def _rank_prediction(tl: RankTimeline, change: Sequence[float]) -> tuple[float, 
     return sum(f[0] for f in full) / len(full), sum(f[1] for f in full) / len(full)
 
 
-def predict_run(timelines: Sequence[RankTimeline], topology, *, name: str, world_size: int) -> WhatIf:  # type: ignore[no-untyped-def]
+def predict_run(timelines: Sequence[RankTimeline], topology: Topology, *, name: str, world_size: int) -> WhatIf:
     """Replay every rank's timeline on ``topology`` (placed for ``world_size``; ``name`` is what
     the user passed) and average the predicted per-step times over ranks."""
     durations = [_durations_us(tl, topology, world_size) for tl in timelines]

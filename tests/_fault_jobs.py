@@ -40,12 +40,18 @@ CONTEND_BYTES = 1 << 20
 LATE_S, P2P_LATE_S = 0.08, 0.05  # how late rank 1 arrives in the skew job
 
 
+# The rank's own CLOCK_MONOTONIC stamps (one clock for every process of the machine): the fault plan's
+# origin, the issue of its latest collective; on a one-line error also when it was raised.
+_STAMPS: dict[str, float | None] = {}
+
+
 @dataclass
 class RankRun:
     returncode: int
     stderr: str
-    ended_after_s: float
+    ended_after_s: float  # after the start of the processes: start-up included
     result: dict[str, Any] | None
+    stamps: dict[str, float | None] | None  # a rank that ended with a one-line error: _STAMPS and "error_s"
 
 
 def run_ranks(job: str, tmp_path: Path, *, faults: str = "", timeout_s: float = 10.0, world: int = 2,
@@ -60,9 +66,10 @@ def run_ranks(job: str, tmp_path: Path, *, faults: str = "", timeout_s: float = 
                            for r in range(world)], wall_s=wall_s, env=env)
     runs = []
     for r, end in enumerate(ended):
-        out = tmp_path / f"rank{r}.json"
+        out, stamps = tmp_path / f"rank{r}.json", tmp_path / f"rank{r}.error.json"
         runs.append(RankRun(end.returncode, end.output, end.ended_after_s,
-                            json.loads(out.read_text()) if out.exists() else None))
+                            json.loads(out.read_text()) if out.exists() else None,
+                            json.loads(stamps.read_text()) if stamps.exists() else None))
     return runs
 
 
@@ -75,6 +82,7 @@ def _train(rank: int, steps: int) -> dict[str, Any]:
         grad = torch.full_like(param, float(rank + step))
         with meter() as m:
             issue_s, t0 = time.monotonic(), time.perf_counter()
+            _STAMPS["issue_s"] = issue_s
             dist.all_reduce(grad)
             done_s = time.monotonic()
             calls.append({"elapsed_s": time.perf_counter() - t0, "issue_s": issue_s, "done_s": done_s,
@@ -147,7 +155,7 @@ def main(job: str, rank: int, world: int, folder: str, timeout_s: float) -> None
     group = dist.group.WORLD
     result: dict[str, Any] = {"group_name": group.group_name}
     faults = group._session.faults
-    result["fault_origin_s"] = faults.start_s if faults is not None else None
+    result["fault_origin_s"] = _STAMPS["fault_origin_s"] = faults.start_s if faults is not None else None
     if job == "train":
         result.update(_train(rank, NUM_STEPS))
     elif job == "train_long":
@@ -168,5 +176,7 @@ if __name__ == "__main__":
     try:
         main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], float(sys.argv[5]))
     except CpdpkitError as exc:
+        error_s = time.monotonic()
+        Path(sys.argv[4], f"rank{sys.argv[2]}.error.json").write_text(json.dumps({**_STAMPS, "error_s": error_s}))
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)

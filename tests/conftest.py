@@ -45,6 +45,25 @@ def world1():
     dist.destroy_process_group()
 
 
+# pytest-xdist (`make test TEST_WORKERS=3`: -n 3 --dist loadgroup): the tests of one
+# xdist_group run on one worker, one after the other, so a session fixture that runs every collected
+# module's jobs runs once per run, not once per worker. Each test that asks for one of these fixtures
+# joins its group here. RANKS4 is also the group of the other heavy 4-rank jobs (the bench suites
+# through the CLI: `@pytest.mark.xdist_group(RANKS4)`), so that no two of them share the 2 cores.
+# Without -n the groups mean nothing.
+RANKS4 = "ranks4"
+FIXTURE_GROUPS = {"planner_spawn": RANKS4, "sync_ranks": "sync_ranks"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        names = getattr(item, "fixturenames", ())
+        for fixture, group in FIXTURE_GROUPS.items():
+            if fixture in names:
+                item.add_marker(pytest.mark.xdist_group(group))
+
+
 def _collected_modules(request) -> set[str]:
     """The test modules pytest collected: only their registered jobs run."""
     return {item.module.__name__ for item in request.session.items if getattr(item, "module", None)}

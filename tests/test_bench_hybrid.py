@@ -28,6 +28,7 @@ HYBRID_OPTIONS = {"--strategies", "--model", "--world-size", "--topology", "--ba
                   "--work-dir"}
 
 
+@pytest.mark.xdist_group("ranks4")  # tests/conftest.py: one 4-rank job at a time
 @pytest.mark.slow
 @pytest.mark.timeout(360)
 def test_quick_hybrid_suite_runs_the_peers_and_ours_and_accounts_for_bytes_and_memory(tmp_path):

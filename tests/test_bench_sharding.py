@@ -28,6 +28,7 @@ QUICK_STRATEGIES = ("hsdp", "zero1", "zero1-overlap", "two-stage", "partial")
 NOTICE = "note: `cpdpkit bench --suite sharding` is deprecated; use `cpdpkit bench sharding` (same options)"
 
 
+@pytest.mark.xdist_group("ranks4")  # tests/conftest.py: one 4-rank job at a time
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_quick_sharding_suite_runs_the_peers_and_executors_and_judges_their_goals(tmp_path):

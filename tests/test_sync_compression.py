@@ -12,14 +12,13 @@
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 from torch import nn
 
 import _emu_jobs as emu
 from _ranks import RANKS_TIMEOUT_S, share_ranks
+from _resume import params, straight_and_resumed, train
 from _sync_helpers import int8_reference as _int8
 from _sync_helpers import topk_reference as _topk
 from cpdpkit.errors import ConfigError
@@ -31,20 +30,12 @@ PERIOD, STEPS, LR = 2, 16, 0.05
 RESUME_PERIOD, RESUME_STEPS, RESUME_STOP = 3, 12, 7
 
 
-def _train(opt: PeriodicSyncOptimizer, model: nn.Module, rank: int, steps: range) -> None:
-    for n in steps:
-        opt.zero_grad()
-        x, y = batch(rank, n)
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-
-
 def _localsgd(rank: int, codec: str, overlap: int = 0) -> list[torch.Tensor]:
     model = make_model(0)
     opt = PeriodicSyncOptimizer(torch.optim.SGD(model.parameters(), lr=LR), model=model, strategy="localsgd",
                                 period=PERIOD, compression=codec, overlap_steps=overlap, timeout_s=60)
-    _train(opt, model, rank, range(1, STEPS + 1))
-    return [p.detach().clone() for p in model.parameters()]
+    train(opt, model, rank, range(1, STEPS + 1))
+    return params(model)
 
 
 def _build_cpdp(codec: str = "int8", overlap: int = 0) -> tuple[nn.Module, PeriodicSyncOptimizer]:
@@ -56,34 +47,14 @@ def _build_cpdp(codec: str = "int8", overlap: int = 0) -> tuple[nn.Module, Perio
 
 def _resume_in_flight(rank: int) -> dict:
     """Saved right after step 5 launched its compressed average (overlap_steps=1), resumed into fresh objects."""
-    model, opt = _build_cpdp(overlap=1)
-    _train(opt, model, rank, range(1, RESUME_STEPS + 1))
-    straight = [p.detach().clone() for p in model.parameters()]
-    model, opt = _build_cpdp(overlap=1)
-    _train(opt, model, rank, range(1, 6))
-    state = {"model": model.state_dict(), "opt": opt.state_dict()}
-    model, opt = _build_cpdp(overlap=1)
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["opt"])
-    _train(opt, model, rank, range(6, RESUME_STEPS + 1))
-    return {"straight": straight, "resumed": [p.detach().clone() for p in model.parameters()],
-            "in_flight": state["opt"]["cpdpkit"]["in_flight"] is not None}
+    run = straight_and_resumed(lambda: _build_cpdp(overlap=1), rank, stop=5, steps=RESUME_STEPS, through_bytes=False)
+    return {"straight": run.straight, "resumed": run.resumed,
+            "in_flight": run.saved["opt"]["cpdpkit"]["in_flight"] is not None}
 
 
 def _resume(rank: int) -> dict:
-    model, opt = _build_cpdp()
-    _train(opt, model, rank, range(1, RESUME_STEPS + 1))
-    straight = [p.detach().clone() for p in model.parameters()]
-    model, opt = _build_cpdp()
-    _train(opt, model, rank, range(1, RESUME_STOP + 1))
-    buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
-    ckpt = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
-    model, opt = _build_cpdp()
-    model.load_state_dict(ckpt["model"])
-    opt.load_state_dict(ckpt["opt"])
-    _train(opt, model, rank, range(RESUME_STOP + 1, RESUME_STEPS + 1))
-    resumed = [p.detach().clone() for p in model.parameters()]
+    run = straight_and_resumed(_build_cpdp, rank, stop=RESUME_STOP, steps=RESUME_STEPS)
+    straight, resumed, ckpt = run.straight, run.resumed, run.saved
     old = {**ckpt["opt"], "cpdpkit": {**ckpt["opt"]["cpdpkit"], "version": 4}}
     del old["cpdpkit"]["residuals"]
     _, fresh = _build_cpdp()

@@ -9,13 +9,12 @@ momentum, Adam's moments and step count).
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 from torch import nn
 
 from _ranks import RANKS_TIMEOUT_S, share_ranks
+from _resume import params, straight_and_resumed, train
 from cpdpkit.errors import ConfigError
 from cpdpkit.sync import PeriodicSyncOptimizer, SyncConfig
 from sync_reference import batch, make_model
@@ -28,19 +27,11 @@ def _inner(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
 
 
-def _train(opt: PeriodicSyncOptimizer, model: nn.Module, rank: int, steps: range) -> None:
-    for n in steps:
-        opt.zero_grad()
-        x, y = batch(rank, n)
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-
-
 def _run(rank: int, **options) -> list[torch.Tensor]:
     model = make_model(0)
     opt = PeriodicSyncOptimizer(_inner(model), model=model, period=PERIOD, timeout_s=60, **options)
-    _train(opt, model, rank, range(1, STEPS + 1))
-    return [p.detach().clone() for p in model.parameters()]
+    train(opt, model, rank, range(1, STEPS + 1))
+    return params(model)
 
 
 def _resume(rank: int, stop: int, **options) -> dict:
@@ -48,23 +39,11 @@ def _resume(rank: int, stop: int, **options) -> dict:
         model = make_model(0)
         return model, PeriodicSyncOptimizer(_inner(model), model=model, period=PERIOD, timeout_s=60, **options)
 
-    model, opt = build()
-    _train(opt, model, rank, range(1, STEPS + 1))
-    straight = [p.detach().clone() for p in model.parameters()]
-    model, opt = build()
-    _train(opt, model, rank, range(1, stop + 1))
-    buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
-    model, opt = build()
-    ckpt = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
-    model.load_state_dict(ckpt["model"])
-    opt.load_state_dict(ckpt["opt"])
-    _train(opt, model, rank, range(stop + 1, STEPS + 1))
-    return {"straight": straight, "resumed": [p.detach().clone() for p in model.parameters()],
-            "saved_outer": ckpt["opt"]["cpdpkit"]["outer"],
-            "saved_slow_momentum": ckpt["opt"]["cpdpkit"]["slow_momentum"],
-            "anchor_numel": sum(a.numel() for a in ckpt["opt"]["cpdpkit"]["anchor"]),
-            "slowmo_bytes": opt._flat.slowmo_bytes()}
+    run = straight_and_resumed(build, rank, stop=stop, steps=STEPS)
+    saved = run.saved["opt"]["cpdpkit"]
+    return {"straight": run.straight, "resumed": run.resumed, "saved_outer": saved["outer"],
+            "saved_slow_momentum": saved["slow_momentum"], "anchor_numel": sum(a.numel() for a in saved["anchor"]),
+            "slowmo_bytes": run.opt._flat.slowmo_bytes()}
 
 
 def _job(rank: int, world: int) -> dict:

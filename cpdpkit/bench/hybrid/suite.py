@@ -158,21 +158,13 @@ class Prepared:
     unit_params: tuple[int, ...]  # FSDP2's units as the suite shards them: every block, then the root
     site_plan: dict[str, Any] | None = None  # cpdp-over-two-stage's plan for one site's ranks (ShardingPlan.to_dict)
 
-    @property
-    def num_sites(self) -> int:
-        return self.topology.num_sites
-
-    @property
-    def ranks_per_site(self) -> int:
-        return self.topology.world_size // self.num_sites
-
     def modeled_wan_s_per_step(self, period: int) -> dict[str, float]:
         """The network model's WAN seconds per step if none overlapped compute: hsdp-global all-reduces every
         unit's fp32 gradient shard across the sites each step; cpdp-over-hsdp does so once a period and then
         averages the whole parameter shard in one buffer; cpdp-over-two-stage sends its slices (the same
         shard) in one gradient bucket, then averages them."""
-        replicate = self.topology.group(range(0, self.topology.world_size, self.ranks_per_site))
-        shards = [-(-4 * n // self.ranks_per_site) for n in self.unit_params]
+        replicate = self.topology.group(range(0, self.topology.world_size, self.topology.ranks_per_site))
+        shards = [-(-4 * n // self.topology.ranks_per_site) for n in self.unit_params]
         per_step = sum(replicate.cost("all_reduce", b).time_s for b in shards)
         whole = replicate.cost("all_reduce", sum(shards)).time_s  # the parameter shard in one buffer
         return {"hsdp-global": per_step, "cpdp-over-hsdp": (per_step + whole) / period,
@@ -281,7 +273,7 @@ def run_hybrid_bench(config: HybridBenchConfig, work_dir: Path,
     prep = prepared if prepared is not None else prepare(config)
 
     def spec_for(strategy: str) -> dict[str, Any]:
-        return {**config.to_dict(), "strategy": strategy, "suite": "hybrid", "num_sites": prep.num_sites,
+        return {**config.to_dict(), "strategy": strategy, "suite": "hybrid", "num_sites": prep.topology.num_sites,
                 **({"site_plan": prep.site_plan} if strategy == "cpdp-over-two-stage" else {})}
 
     results = run_per_strategy(config.strategies, work_dir=work_dir, topology=prep.topology,
@@ -290,7 +282,7 @@ def run_hybrid_bench(config: HybridBenchConfig, work_dir: Path,
         if r.get("status") == "ok":
             r["step_s_median"] = median_period_step_s(r["step_s_by_rank"], config.period)
     report_config = {**config.to_dict(), "topology_tiers": {t.name: t.to_dict() for t in prep.topology.tiers},
-                     "num_sites": prep.num_sites, "ranks_per_site": prep.ranks_per_site,
+                     "num_sites": prep.topology.num_sites, "ranks_per_site": prep.topology.ranks_per_site,
                      "num_params": prep.num_params,
                      "modeled_wan_s_per_step": prep.modeled_wan_s_per_step(config.period)}
     return HybridReport(config=report_config, results=tuple(results), goals=_goals(results))

@@ -6,6 +6,7 @@ Everything is validated here, before any process starts: a bad option costs noth
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +98,22 @@ class RunSpec:
         """From :meth:`to_dict` (a key missing, as in older spec.json files: SyncConfig's default)."""
         rest = {k: v for k, v in data.items() if k not in SYNC_KEYS}
         return cls(**rest, sync=SyncConfig(**{k: data[k] for k in SYNC_KEYS if k in data}))
+
+
+# The data sets only one model reads, and the one-line refusals of a mismatch either way:
+# (data set, its model, the data set's check, another model on it, the model on another data set).
+_ONE_MODEL_DATA: tuple[tuple[str, str, Callable[[], None], str, str], ...] = (
+    ("mnist1d", "cnn1d", check_mnist1d,
+     "--model {model} does not read 1-D sequences, which --dataset mnist1d holds: use --model cnn1d "
+     "(or --preset mnist1d)",
+     "--model cnn1d reads 1-D sequences, but --dataset {dataset} holds none: use --dataset mnist1d "
+     "(or --preset mnist1d)"),
+    ("stdlib-text", "char-mlp", check_corpus,
+     "--model {model} needs images, but --dataset stdlib-text holds character ids: use --model char-mlp "
+     "(or an image data set such as --dataset digits)",
+     "--model char-mlp reads character ids, but --dataset {dataset} holds images: use --model cnn "
+     "(or --dataset stdlib-text)"),
+)
 
 
 def _positive(name: str, value: Any, fix: str) -> None:
@@ -253,22 +270,14 @@ class BenchConfig:
 
     def _check_model_fits_data(self) -> None:
         """Character ids, 1-D sequences and images need different models: refuse a mismatch before any launch."""
-        if self.dataset == "mnist1d":
-            check_mnist1d()  # not installed: one line now, before any rank starts
-            if self.model != "cnn1d":
-                raise ConfigError(f"--model {self.model} does not read 1-D sequences, which --dataset mnist1d holds: "
-                                  "use --model cnn1d (or --preset mnist1d)")
-        elif self.model == "cnn1d":
-            raise ConfigError(f"--model cnn1d reads 1-D sequences, but --dataset {self.dataset} holds none: "
-                              "use --dataset mnist1d (or --preset mnist1d)")
-        elif self.dataset == "stdlib-text":
-            check_corpus()  # a missing corpus file: one line now, not a failed run later
-            if self.model != "char-mlp":
-                raise ConfigError(f"--model {self.model} needs images, but --dataset stdlib-text holds character "
-                                  "ids: use --model char-mlp (or an image data set such as --dataset digits)")
-        elif self.model == "char-mlp":
-            raise ConfigError(f"--model char-mlp reads character ids, but --dataset {self.dataset} holds images: "
-                              "use --model cnn (or --dataset stdlib-text)")
+        for dataset, model, check, other_model, other_data in _ONE_MODEL_DATA:
+            if self.dataset == dataset:
+                check()  # not installed, or a missing corpus file: one line now, before any rank starts
+                if self.model != model:
+                    raise ConfigError(other_model.format(model=self.model))
+                return
+            if self.model == model:
+                raise ConfigError(other_data.format(dataset=self.dataset))
 
     @property
     def betas(self) -> tuple[float, ...]:

@@ -155,20 +155,12 @@ class Prepared:
     plan: ShardingPlan  # param_sharding="sharded": planned and two-stage run it
     partial_plan: ShardingPlan | None = None  # param_sharding="replicated", when "partial" runs
 
-    @property
-    def ranks_per_node(self) -> int:
-        return self.topology.ranks_per_node
-
-    @property
-    def num_replicas(self) -> int:
-        return self.topology.world_size // self.ranks_per_node
-
     def plan_for(self, strategy: str) -> ShardingPlan:
         return self.partial_plan if strategy == "partial" and self.partial_plan is not None else self.plan
 
     @property
     def inter_node_tier(self) -> str:
-        tier = self.topology.tier_of(range(0, 2 * self.ranks_per_node, self.ranks_per_node))
+        tier = self.topology.tier_of(range(0, 2 * self.topology.ranks_per_node, self.topology.ranks_per_node))
         return tier.name if tier is not None else "?"
 
     def allreduce_wire_bytes(self) -> int:
@@ -238,14 +230,15 @@ def run_sharding_bench(config: ShardingBenchConfig, work_dir: Path,
 
     def spec_for(strategy: str) -> dict[str, Any]:
         return {**config.to_dict(), "strategy": strategy, "plan": prep.plan_for(strategy).to_dict(),
-                "ranks_per_node": prep.ranks_per_node, "num_replicas": prep.num_replicas}
+                "ranks_per_node": prep.topology.ranks_per_node, "num_replicas": prep.topology.num_nodes}
 
     results = run_per_strategy(config.strategies, work_dir=work_dir, topology=prep.topology,
                                world_size=config.world_size, worker_file=worker.__file__, spec_for=spec_for, emit=emit,
                                unsupported=lambda strategy: unsupported_reason(strategy, config))
+    topo = prep.topology
     return ShardingReport(config=_report_config(config, prep), results=tuple(results),
                           goals=judge(results, topology=config.topology, inter_node_tier=prep.inter_node_tier,
-                                      num_replicas=prep.num_replicas))
+                                      num_replicas=topo.num_nodes))
 
 
 def _report_config(config: ShardingBenchConfig, prep: Prepared) -> dict[str, Any]:
@@ -254,7 +247,7 @@ def _report_config(config: ShardingBenchConfig, prep: Prepared) -> dict[str, Any
                 "state_sharding_axis": plan.state_sharding.axis}
 
     return {**config.to_dict(), "topology_tiers": {t.name: t.to_dict() for t in prep.topology.tiers},
-            "ranks_per_node": prep.ranks_per_node, "num_replicas": prep.num_replicas,
+            "ranks_per_node": prep.topology.ranks_per_node, "num_replicas": prep.topology.num_nodes,
             "model_grad_bytes": prep.plan.num_params * prep.plan.config.grad_bytes,
             "allreduce_wire_bytes": prep.allreduce_wire_bytes(), "plan": summary(prep.plan),
             **({"partial_plan": summary(prep.partial_plan)} if prep.partial_plan is not None else {})}
