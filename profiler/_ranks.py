@@ -29,17 +29,17 @@ from __future__ import annotations
 import os
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from cpdpkit.labels import format_ranks
+from cpdpkit.profiler._record import record
 from cpdpkit.profiler.report import TraceIssue
 from cpdpkit.profiler.trace import rank_from_file_name, rank_in_meta, world_size_in_meta
 
 __all__ = ["RankHint", "rank_hint", "run_json_ranks", "settle_ranks", "ranks_text"]
 
 
-@dataclass(frozen=True)
+@record
 class RankHint:
     """What one loaded file says about its rank (``source``: where ``rank`` came from)."""
 

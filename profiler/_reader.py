@@ -31,11 +31,11 @@ import os
 import re
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, BinaryIO, Protocol
 
 import orjson
 
+from cpdpkit.profiler._record import record
 from cpdpkit.profiler.errors import TraceFileError
 
 __all__ = ["read_events", "read_events_whole", "read_range", "events_start", "meta_around", "StreamingNotPossible",
@@ -47,6 +47,7 @@ _KEY = re.compile(rb'"traceEvents"\s*:\s*\[')
 _WS = re.compile(rb"\s*")
 _AFTER_CLOSE = re.compile(rb"\s*[,\]]")
 _MAX_TRIES = 8
+_READ_BLOCK = 1 << 20  # what a read to the end asks the file for at a time
 HEAD_LIMIT = 64 << 20  # Kineto writes a few KiB of metadata before the events
 MAX_EVENT_BYTES = 16 << 20  # no cut within this many bytes: not a Kineto event (they are < 1 MiB); read whole
 WHOLE_LIMIT = 64 << 20  # a whole parse builds up to ~25 bytes of objects per byte (`[{},{}...]`)
@@ -65,7 +66,7 @@ class StreamingNotPossible(Exception):
     """The streaming path cannot handle this file; read it whole instead."""
 
 
-@dataclass(frozen=True, kw_only=True)
+@record(kw_only=True)
 class TraceLimits:
     """The most one trace file may cost: decompressed bytes read and events kept.
 
@@ -97,12 +98,20 @@ class _Bounded:
         self.fh, self.path, self.left, self.limit, self.flag = fh, path, limit, limit, flag
 
     def read(self, n: int = -1) -> bytes:
-        want = self.left + 1 if n < 0 or n > self.left else n
-        data = self.fh.read(want)
-        self.left -= len(data)
-        if self.left < 0:
-            raise TraceFileError(self.path, f"more than {self.limit:,} bytes {self.flag}")
-        return data
+        if 0 <= n <= self.left:
+            data = self.fh.read(n)
+            self.left -= len(data)
+            return data
+        # to the end (or one byte past the limit), a block at a time: ``read(left + 1)`` at once
+        # makes io allocate that many bytes up front, 4 GiB under the default limit (untouched
+        # pages, so no RSS, but tracemalloc counts them and a host without overcommit refuses)
+        parts = []
+        while more := self.fh.read(min(_READ_BLOCK, self.left + 1)):
+            parts.append(more)
+            self.left -= len(more)
+            if self.left < 0:
+                raise TraceFileError(self.path, f"more than {self.limit:,} bytes {self.flag}")
+        return b"".join(parts)
 
     def __enter__(self) -> _Bounded:
         return self

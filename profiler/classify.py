@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass
 
 from cpdpkit.labels import EMU_PREFIX, KINDS, EmuLabel, parse_emu_label, parse_rank_ranges, phase_by_label
+from cpdpkit.profiler._record import record
 
 __all__ = [
     "KINDS",
@@ -95,7 +95,7 @@ def canonical_kind(text: str) -> str:
     return "other"
 
 
-@dataclass(frozen=True)
+@record
 class NameClass:
     """What one event name means. ``role`` is one of: ``gpu_comm``, ``gpu_compute``,
     ``gpu_memory``, ``gpu_other`` (for events on a GPU stream) or ``backend``, ``callsite``,

@@ -18,11 +18,11 @@ What ``cpdpkit profile NEW --baseline OLD --max-regression PCT`` decides with:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from cpdpkit.errors import ConfigError
 from cpdpkit.profiler._ranks import ranks_text
+from cpdpkit.profiler._record import record
 from cpdpkit.profiler.report import RankReport, RunReport
 
 __all__ = ["Comparison", "RegressionCheck", "pair_runs", "check_regression", "exposed_per_step_us", "METRIC"]
@@ -36,7 +36,7 @@ def exposed_per_step_us(rank: RankReport) -> float:
     return sum(s.exposed_us for s in steps) / len(steps) if steps else rank.exposed_us
 
 
-@dataclass(frozen=True)
+@record
 class Comparison:
     """One value of a new run against its baseline run: a rank, or the mean over ranks (``rank=None``)."""
 
@@ -67,7 +67,7 @@ class Comparison:
                 "regressed": self.regressed}
 
 
-@dataclass(frozen=True)
+@record
 class RegressionCheck:
     """Every comparison made, and notes on what could not be compared."""
 

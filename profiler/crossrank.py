@@ -68,12 +68,12 @@ import math
 from bisect import bisect_right
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from itertools import compress
 from operator import sub
 from typing import Any
 
 from cpdpkit.profiler import intervals as iv
+from cpdpkit.profiler._record import record
 from cpdpkit.profiler._stats import median
 from cpdpkit.profiler.report import RankReport, TraceIssue, WaitSplit
 from cpdpkit.profiler.trace import RankTrace
@@ -98,7 +98,7 @@ WALL_CLOCK_TS_US = 1e15
 _CPU_COLLECTIVE_ROLES = ("backend", "emu")  # in order of preference
 
 
-@dataclass(frozen=True, eq=False)
+@record(eq=False)
 class RankCollectives:
     """One rank's collectives, sorted by arrival, as the cross-rank match needs them (one
     entry per collective in each tuple).
@@ -223,7 +223,7 @@ def rank_collectives(
     )
 
 
-@dataclass(frozen=True, eq=False)
+@record(eq=False)
 class _Matches:
     """Matched collectives as flat entries (one per rank per match, the entries of a match
     next to each other): ``match`` id, rank position, row in that rank's
@@ -415,7 +415,7 @@ def _stragglers(m: _Matches, skew: Sequence[float], ranks: Sequence[RankReport],
     return tuple(out)
 
 
-@dataclass(frozen=True, eq=False)
+@record(eq=False)
 class Alignment:
     """The run's ranks on one clock and their matched collectives, as :func:`cross_rank`
     computes them (for :mod:`cpdpkit.profiler.timeline`).

@@ -36,11 +36,12 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
 
 import orjson
 
+from cpdpkit.profiler._record import record
 from cpdpkit.profiler.crossrank import LATE_MARGIN_US
 from cpdpkit.profiler.errors import TraceFileError
 
@@ -70,7 +71,7 @@ def _unpickle_data(data: bytes) -> Any:
         raise ValueError(str(exc)) from None
 
 
-@dataclass(frozen=True)
+@record
 class RankDump:
     """One rank's dump, reduced to what the analysis needs."""
 
@@ -111,7 +112,8 @@ def read_dump(path: str) -> RankDump:
     fix = "pass dumps that torch's flight recorder wrote (_dump_fr_trace or _dump_fr_trace_json, format 2.x)"
     try:
         with open(path, "rb") as fh:
-            data = fh.read(MAX_DUMP_BYTES + 1)
+            # no more than the file holds: read(n) allocates n bytes up front
+            data = fh.read(min(os.fstat(fh.fileno()).st_size, MAX_DUMP_BYTES) + 1)
     except OSError as exc:
         raise TraceFileError(path, f"cannot read the file ({exc.strerror or exc})") from None
     if len(data) > MAX_DUMP_BYTES:
@@ -149,7 +151,7 @@ def find_dumps(folder: str) -> list[str]:
         return sorted(e.path for e in it if e.is_file() and is_dump(e.path))
 
 
-@dataclass(frozen=True)
+@record
 class Collective:
     """One collective of one process group across the ranks' dumps (see the module docstring)."""
 
@@ -170,7 +172,7 @@ class Collective:
                 "arrival_spread_us": self.arrival_spread_us, "late_rank": self.late_rank}
 
 
-@dataclass(frozen=True)
+@record
 class FlightRecorderReport:
     """A folder of one job's dumps: its collectives, where it hangs, and its stragglers."""
 

@@ -36,6 +36,16 @@ communication, and nothing else:
   event) lasts to the gap's end: the waiter sleeps to the modeled end itself, and the
   emulator's event may close milliseconds later (its Python helper thread waits for the GIL).
 
+**What a trace cannot show** (a limit of the input, not of the rule): the scheduler leaves no
+event, so a training thread that is runnable but off the CPU looks like one that is blocked or
+computing, whichever events surround it. Descheduled inside a collective call or its wait, it
+counts as exposed; descheduled in a gap in which a collective completes (between compute's return
+and ``wait()``, say), as a wait; descheduled just before a call site's event begins, as nothing.
+Measured against ``/proc/thread-self/schedstat`` on unpinned jobs (``benchmarks/profiler_cpu_truth.py``,
+docs/results.md), that is where the misses are. Telling them apart needs scheduler data in the
+capture (context-switch records of the training thread, e.g. ``perf sched`` or
+``perf_event_open``), which Kineto traces do not carry.
+
 Compute = the training thread's ``cpu_op`` events that are not communication, plus gaps
 between its events shorter than ``IDLE_GAP_US`` that are no wait (Python/dispatch overhead),
 minus its call sites and phases (ops nested in one are part of communicating). Longer gaps

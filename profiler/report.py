@@ -16,10 +16,11 @@ communication. Reports hold data only; rendering lives in the CLI.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 from types import MappingProxyType
 from typing import Any
 
+from cpdpkit.profiler._record import record
 from cpdpkit.profiler._stats import fmean, median
 
 __all__ = [
@@ -45,7 +46,7 @@ def _pct(part: float, whole: float) -> float | None:
     return 100.0 * part / whole if whole > 0 else None
 
 
-@dataclass(frozen=True)
+@record
 class CommTotals:
     """Communication time of one slice (a kind, a process group, a tier), split in two."""
 
@@ -66,7 +67,7 @@ def _totals_dict(items: Mapping[str, CommTotals]) -> dict[str, dict[str, float]]
     return {key: value.to_dict() for key, value in items.items()}
 
 
-@dataclass(frozen=True)
+@record
 class WaitSplit:
     """Exposed communication split in two (:mod:`cpdpkit.profiler.crossrank`): ``skew_us``
     waiting for the last rank to arrive, ``transfer_us`` the rest."""
@@ -78,7 +79,7 @@ class WaitSplit:
         return {"skew_us": self.skew_us, "transfer_us": self.transfer_us}
 
 
-@dataclass(frozen=True)
+@record
 class StepReport:
     """One ``ProfilerStep#N`` of one rank. ``partial`` marks the step left open at exit."""
 
@@ -116,7 +117,7 @@ class StepReport:
         }
 
 
-@dataclass(frozen=True)
+@record
 class RankReport:
     """Exposed and hidden communication of one rank's trace.
 
@@ -201,7 +202,7 @@ def _overlap_spread(ranks: tuple[RankReport, ...]) -> dict[str, float | None]:
     return _spread(values) if values else {"min": None, "median": None, "max": None}
 
 
-@dataclass(frozen=True)
+@record
 class RunSummary:
     """Across the ranks of one run.
 
@@ -308,7 +309,7 @@ def summarize_ranks(ranks: tuple[RankReport, ...], *,
     )
 
 
-@dataclass(frozen=True)
+@record
 class TraceIssue:
     """A file or folder that could not be analysed, with the one-line reason."""
 
@@ -323,7 +324,7 @@ class TraceIssue:
         return {"path": self.path, "error": self.error, **({"warning": True} if self.warning else {})}
 
 
-@dataclass(frozen=True)
+@record
 class WhatIf:
     """The run's step predicted on another topology (:mod:`cpdpkit.profiler.whatif`): per-step
     means over complete steps and ranks, as ``RunSummary.per_step``; ``unmodeled_collectives``
@@ -340,7 +341,7 @@ class WhatIf:
                 "unmodeled_collectives": self.unmodeled_collectives}
 
 
-@dataclass(frozen=True)
+@record
 class RunReport:
     """One run folder (or a single trace file): its ranks and their cross-rank summary;
     ``what_if`` only when asked (``analyze(..., what_if=TOPOLOGY)``), ``timeline`` (a
@@ -370,7 +371,7 @@ class RunReport:
         }
 
 
-@dataclass(frozen=True)
+@record
 class OverlapReport:
     """Everything ``cpdpkit profile`` reports: one :class:`RunReport` per run, plus errors."""
 

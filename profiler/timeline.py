@@ -32,10 +32,10 @@ time in µs of the timeline's 0. All numbers are finite (the JSON has no NaN or 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from cpdpkit.profiler import intervals as iv
+from cpdpkit.profiler._record import record
 from cpdpkit.profiler.crossrank import Alignment, RankCollectives, align
 from cpdpkit.profiler.report import OverlapReport, RankReport
 
@@ -46,7 +46,7 @@ TRACKS = ("steps", "compute", "communication", "exposed", "hidden", "skew", "col
 _TID = {name: k + 1 for k, name in enumerate(TRACKS)}
 
 
-@dataclass(frozen=True, eq=False)
+@record(eq=False)
 class RunTimeline:
     """What the timeline of one run needs, kept by ``analyze(..., timeline=True)`` before the
     per-collective data is dropped: per rank position its rank, trace path and collectives, and

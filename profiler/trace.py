@@ -24,7 +24,7 @@ import struct
 import sys
 from array import array
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 from functools import cached_property
 from itertools import accumulate, compress, repeat
 from operator import add, itemgetter, sub
@@ -43,6 +43,7 @@ from cpdpkit.profiler._reader import (
     read_events_whole,
     read_range,
 )
+from cpdpkit.profiler._record import record
 from cpdpkit.profiler.classify import STEP_NAME, NameClass, canonical_kind, classify_name
 from cpdpkit.profiler.errors import TraceFileError
 
@@ -54,7 +55,7 @@ _MAX_TIME_US = 1e17  # Kineto's epoch microseconds are ~1.8e15; a bigger value m
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
-@dataclass(frozen=True, eq=False)
+@record(eq=False)
 class RankTrace:
     """Columns of one rank's complete events plus the trace metadata.
 

@@ -50,9 +50,24 @@ aligns them). Per rank, ``δ`` = predicted minus measured time so far (0 at its 
   completed under compute but is due there. Then ``δ`` becomes predicted minus measured at
   ``g1``.
 
-Compute keeps its measured durations; only gaps stretch or shrink. A step's predicted duration
-is its measured duration plus the change of its gaps, and its predicted exposed time its
-measured exposed time plus that change (at least 0): a wait that grows is all exposed. Per run,
+**Compute under communication** (CPU traces). On a host whose cores the communication threads
+share (gloo's workers, the emulator's helpers, other ranks), compute runs slower while a
+collective is in flight. The rank's *slowdown* ``s`` is measured from its own trace
+(:func:`compute_slowdown`): the training thread's top-level compute ops that contain no
+communication call, each *under* communication (at least half of it inside ``[L, M]`` of one of
+the rank's collectives) or *alone* (none of it); per op name with at least ``MIN_SAMPLES`` of
+both, ``s`` = the names' summed time under communication / the same ops at their name's median
+time alone (1 when no name has both; clamped to ``SLOWDOWN_RANGE``). Each compute segment (the
+stretch between two gaps) of ``b`` µs under communication and ``a`` alone holds ``a + b / s`` µs
+of work; replayed, it runs at rate ``1 / s`` inside the *predicted* in-flight intervals
+``[L', M']`` of the rank's collectives launched so far and at rate 1 outside, for as long as
+that work takes. So compute that the new network leaves under communication longer grows (and
+hides more of it), and compute that it frees shrinks. The compute after a step's last gap keeps
+its length. GPU traces keep ``s = 1`` (kernels are not slowed by NCCL's host threads).
+
+Only gaps and compute segments stretch or shrink. A step's predicted duration is its measured
+duration plus the change of its gaps and compute, and its predicted exposed time its measured
+exposed time plus the change of its gaps (at least 0): a wait that grows is all exposed. Per run,
 ``per_step`` holds means over each rank's complete steps, then over ranks, as the measured
 ``summary.per_step`` does.
 
@@ -62,9 +77,10 @@ last arrival beyond its link time (the real data movement of an emulated run, is
 up) is kept as measured. A peer's launch not yet replayed when it is needed (clocks a few µs
 apart) is taken at its current shift. The emulator's jitter is not drawn (``time_s`` is the mean
 time). A hidden collective that the new network makes late waits at the next gap after its
-measured completion, even if the program would have waited for it later. Compute is taken as
-independent of the network; on a CPU-only host it is not (communication threads take cores
-from compute, and waiting ranks give them back), which bounds the accuracy there.
+measured completion, even if the program would have waited for it later. Compute's dependence
+on the network is one factor per rank, from ops that ran both ways in the trace: a run whose
+compute never overlapped communication gives no factor (``s = 1``); what else the host ran
+(other jobs' load) is not modeled.
 """
 
 from __future__ import annotations
@@ -73,7 +89,6 @@ import math
 from bisect import bisect_right
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 from itertools import repeat
 from operator import itemgetter
 from typing import TYPE_CHECKING
@@ -81,6 +96,8 @@ from typing import TYPE_CHECKING
 from cpdpkit.errors import TopologyError
 from cpdpkit.network import COLLECTIVE_OPS
 from cpdpkit.profiler import intervals as iv
+from cpdpkit.profiler._record import record
+from cpdpkit.profiler._stats import median
 from cpdpkit.profiler.classify import parse_emu_label, step_number
 from cpdpkit.profiler.report import RankReport, WhatIf
 from cpdpkit.profiler.trace import RankTrace
@@ -88,14 +105,19 @@ from cpdpkit.profiler.trace import RankTrace
 if TYPE_CHECKING:
     from cpdpkit.topology import Topology
 
-__all__ = ["RankTimeline", "rank_timeline", "replay", "predict_run", "WAIT_SLACK_US"]
+__all__ = ["RankTimeline", "rank_timeline", "replay", "predict_run", "compute_slowdown", "WAIT_SLACK_US",
+           "MIN_SAMPLES", "SLOWDOWN_RANGE"]
 
 # a collective that completes this long after its gap ended still ended that wait (as
 # overlap.WAIT_SLACK_US: a worker's event closes just after it wakes the waiter)
 WAIT_SLACK_US = 100.0
+# an op name counts for the compute slowdown with this many samples under communication and alone
+MIN_SAMPLES = 2
+# the compute slowdown is kept within this range (a few odd samples must not scale all compute)
+SLOWDOWN_RANGE = (0.5, 4.0)
 
 
-@dataclass(frozen=True, eq=False)
+@record(eq=False)
 class RankTimeline:
     """One rank's measured timeline as the replay needs it (no topology yet).
 
@@ -118,9 +140,20 @@ class RankTimeline:
     ranks: tuple[tuple[int, ...] | None, ...]
     clock_us: float = 0.0  # add to a time of this rank to get the run's common clock
     wall_clock: bool = False  # whether clock_us comes from baseTimeNanoseconds
+    slowdown: float = 1.0  # compute's time under communication over its time alone (compute_slowdown)
+    # per gap: the compute segment before it (from the previous gap's end, or its step's start):
+    # its length and the part of it under communication (µs)
+    seg_us: tuple[float, ...] = ()
+    seg_under_us: tuple[float, ...] = ()
 
 
 _Windows = tuple[list[tuple[float, float]], list[tuple[float, float, bool]]]
+
+
+def _thread(trace: RankTrace) -> int | None:
+    """The training thread: the one holding most ``ProfilerStep#N`` markers (``None``: no steps)."""
+    rows = trace.rows_of(steps=True)
+    return Counter(trace.thread_id[r] for r in rows).most_common(1)[0][0] if rows else None
 
 
 def _step_windows(trace: RankTrace, report: RankReport) -> _Windows:
@@ -128,7 +161,7 @@ def _step_windows(trace: RankTrace, report: RankReport) -> _Windows:
     rows = trace.rows_of(steps=True)
     tid = trace.thread_id
     if rows:
-        thread = Counter(tid[r] for r in rows).most_common(1)[0][0]
+        thread = _thread(trace)
         rows = [r for r in rows if tid[r] == thread]
     by_num = {step_number(trace.names[trace.name_id[r]]): r for r in rows}
     windows, measured = [], []
@@ -225,6 +258,70 @@ def _clock(trace: RankTrace) -> dict[str, float | bool]:
     return {"clock_us": trace.origin_us, "wall_clock": False}
 
 
+def _top_level_compute_ops(trace: RankTrace, thread: int) -> list[int]:
+    """The thread's outermost compute ops (``cpu_op`` events of compute names) that contain no
+    communication call site or phase, sorted by start."""
+    s, e, tid, nid = trace.start_us, trace.end_us, trace.thread_id, trace.name_id
+    classes, cats, cat = trace.name_classes, trace.cats, trace.cat_id
+    rows = [r for r in range(trace.num_events) if tid[r] == thread and trace.stream[r] == -1]
+    rows.sort(key=lambda r: (s[r], -e[r]))
+    comm = sorted(s[r] for r in rows if classes[nid[r]].cpu_role in ("callsite", "phase"))
+    top: list[int] = []
+    end = -math.inf
+    for r in rows:
+        if s[r] >= end and cats[cat[r]].lower() in ("cpu_op", "operator"):
+            end = e[r]
+            if classes[nid[r]].cpu_role == "cpu" and bisect_right(comm, e[r]) == bisect_right(comm, s[r] - 1e-9):
+                top.append(r)
+    return top
+
+
+def compute_slowdown(trace: RankTrace, thread: int | None, inflight: iv.Intervals) -> float:
+    """Compute's time under communication over its time alone (the module docstring's ``s``):
+    the training thread's top-level compute ops, per name, against the ``inflight`` intervals."""
+    if thread is None or not inflight.starts:
+        return 1.0
+    s, e, nid = trace.start_us, trace.end_us, trace.name_id
+    alone: dict[int, list[float]] = {}
+    under: dict[int, list[float]] = {}
+    for r in _top_level_compute_ops(trace, thread):
+        d = e[r] - s[r]
+        if d <= 0:
+            continue
+        inside = iv.total_us(iv.intersect(iv.Intervals([s[r]], [e[r]]), inflight))
+        if inside == 0:
+            alone.setdefault(nid[r], []).append(d)
+        elif inside >= d / 2:
+            under.setdefault(nid[r], []).append(d)
+    slow = base = 0.0
+    for name, times in under.items():
+        mine = alone.get(name, [])
+        if len(times) >= MIN_SAMPLES and len(mine) >= MIN_SAMPLES:
+            slow += sum(times)
+            base += len(times) * median(mine)
+    if base <= 0:
+        return 1.0
+    lo, hi = SLOWDOWN_RANGE
+    return min(hi, max(lo, slow / base))
+
+
+def _segments(windows: list[tuple[float, float]], g0: Sequence[float], g1: Sequence[float],
+              gstep: Sequence[int], inflight: iv.Intervals) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per gap, the compute segment before it in its step (from the previous gap's end, or the
+    step's start): its length and its part in ``inflight``. Gaps are disjoint, so their order
+    by end is their order by start."""
+    seg: list[float] = []
+    under: list[float] = []
+    last_end = [lo for lo, _ in windows]
+    for a, b, k in zip(g0, g1, gstep):
+        start = last_end[k]
+        length = max(0.0, a - start)
+        seg.append(length)
+        under.append(iv.total_us(iv.intersect(iv.Intervals([start], [a]), inflight)) if length > 0 else 0.0)
+        last_end[k] = max(start, b)
+    return tuple(seg), tuple(under)
+
+
 def rank_timeline(trace: RankTrace, report: RankReport) -> RankTimeline:
     """The replay's input for one rank (see the module docstring), from its loaded trace and
     its overlap report (before the cross-rank analysis drops ``report.collectives``)."""
@@ -233,6 +330,9 @@ def rank_timeline(trace: RankTrace, report: RankReport) -> RankTimeline:
     g0, g1, gstep = _gaps(windows, compute)
     colls = _emu_collectives(trace) or _plain_collectives(trace)
     colls.sort(key=lambda c: c[0])
+    inflight = iv.merge([c[0] for c in colls], [c[1] for c in colls])
+    slowdown = 1.0 if report.mode == "gpu" else compute_slowdown(trace, _thread(trace), inflight)
+    seg, seg_under = _segments(windows, g0, g1, gstep, inflight)
     return RankTimeline(
         rank=report.rank,
         steps=tuple(measured),
@@ -246,6 +346,9 @@ def rank_timeline(trace: RankTrace, report: RankReport) -> RankTimeline:
         num_bytes=tuple(c[4] for c in colls),
         ranks=tuple(tuple(c[5]) if c[5] else None for c in colls),
         **_clock(trace),
+        slowdown=slowdown,
+        seg_us=seg,
+        seg_under_us=seg_under,
     )
 
 
@@ -307,6 +410,8 @@ class _Replay:
         self.link_end = [[math.nan] * len(tl.launch_us) for tl in timelines]
         self.free: list[dict] = [{} for _ in timelines]
         self.change = [[0.0] * len(tl.gap_end_us) for tl in timelines]
+        self.compute_change = [[0.0] * len(tl.gap_end_us) for tl in timelines]  # the segment before each gap
+        self.open: list[list[int]] = [[] for _ in timelines]  # launched collectives perhaps still in flight
 
     def run(self) -> list[list[float]]:
         events, plans = [], []
@@ -329,6 +434,7 @@ class _Replay:
     def _launch(self, t: int, c: int) -> None:
         tl, d = self.tl[t], self.dur[t][c]
         self.launch_new[t][c] = tl.launch_us[c] + self.delta[t]
+        self.open[t].append(c)
         if not math.isnan(d):
             start = max(self.launch_new[t][c], self.free[t].get(tl.ranks[c], -math.inf))
             self.free[t][tl.ranks[c]] = self.link_end[t][c] = start + d
@@ -358,9 +464,44 @@ class _Replay:
             return max(done, real + (last[0] if last is not None else own_shift))
         return max(done, last[1] + d) if last is not None else done
 
+    def _inflight(self, t: int, start: float) -> tuple[list[float], list[float]]:
+        """Rank ``t``'s predicted in-flight intervals ``[L', M']`` that end after ``start``, merged."""
+        spans, still = [], []
+        for c in self.open[t]:
+            done = self._done(t, c)
+            if done > start:
+                spans.append((self.launch_new[t][c], done))
+                still.append(c)
+        self.open[t] = still  # a later segment starts later
+        return iv.merge([a for a, _ in spans], [b for _, b in spans]) if spans else ([], [])
+
+    def _compute(self, t: int, g: int) -> float:
+        """Predicted minus measured length of the compute segment before gap ``g`` of rank ``t``:
+        its work, ``a + b / s``, done at rate ``1 / s`` in the predicted in-flight intervals."""
+        tl = self.tl[t]
+        length, under, slow = tl.seg_us[g], tl.seg_under_us[g], tl.slowdown
+        start = tl.gap_start_us[g] - length + self.delta[t]
+        left = (length - under) + under / slow
+        cursor = start
+        for p, q in zip(*self._inflight(t, start)):
+            if p > cursor:
+                step = min(left, p - cursor)
+                cursor, left = cursor + step, left - step
+            if left <= 0:
+                break
+            p = max(p, cursor)
+            if left * slow <= q - p:
+                cursor, left = p + left * slow, 0.0
+                break
+            cursor, left = q, left - (q - p) / slow
+        return cursor + left - start - length
+
     def _gap_end(self, t: int, g: int, due: dict[int, list[int]], waited: list[bool]) -> None:
         tl = self.tl[t]
         g0, g1 = tl.gap_start_us[g], tl.gap_end_us[g]
+        if tl.slowdown != 1.0 and tl.seg_us and tl.seg_us[g] > 0:
+            self.compute_change[t][g] = self._compute(t, g)
+            self.delta[t] += self.compute_change[t][g]
         x0 = g0 + self.delta[t]
         mine = due.get(g, [])
         end = x0 if any(waited[c] for c in mine) else x0 + (g1 - g0)
@@ -377,14 +518,18 @@ def replay(timelines: Sequence[RankTimeline], durations_us: Sequence[Sequence[fl
     return _Replay(timelines, durations_us).run()
 
 
-def _rank_prediction(tl: RankTimeline, change: Sequence[float]) -> tuple[float, float]:
+def _rank_prediction(tl: RankTimeline, change: Sequence[float],
+                     compute_change: Sequence[float]) -> tuple[float, float]:
     """Mean predicted (step time, exposed) over the rank's complete steps."""
     per_step = [0.0] * len(tl.steps)
-    for k, c in zip(tl.gap_step, change):  # summed in gap order
+    per_step_compute = [0.0] * len(tl.steps)
+    for k, c, dc in zip(tl.gap_step, change, compute_change):  # summed in gap order
         per_step[k] += c
-    full = [(d + c, max(0.0, e + c)) for (d, e, partial), c in zip(tl.steps, per_step) if not partial]
+        per_step_compute[k] += dc
+    rows = list(zip(tl.steps, per_step, per_step_compute))
+    full = [(d + c + dc, max(0.0, e + c)) for (d, e, partial), c, dc in rows if not partial]
     if not full:
-        full = [(d + c, max(0.0, e + c)) for (d, e, _), c in zip(tl.steps, per_step)]
+        full = [(d + c + dc, max(0.0, e + c)) for (d, e, _), c, dc in rows]
     if not full:
         return 0.0, 0.0
     return sum(f[0] for f in full) / len(full), sum(f[1] for f in full) / len(full)
@@ -396,8 +541,9 @@ def predict_run(timelines: Sequence[RankTimeline], topology: Topology, *, name: 
     durations = [_durations_us(tl, topology, world_size) for tl in timelines]
     unmodeled = sum(math.isnan(x) for d in durations for x in d)
     steps, exposed = [], []
-    for tl, change in zip(timelines, replay(timelines, durations)):
-        s, e = _rank_prediction(tl, change)
+    done = _Replay(timelines, durations)
+    for tl, change, compute_change in zip(timelines, done.run(), done.compute_change):
+        s, e = _rank_prediction(tl, change, compute_change)
         steps.append(s)
         exposed.append(e)
     n = max(len(timelines), 1)

@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 from _trace_builder import GLOO, annotation, cpu_op, kernel, launch, step, trace_doc, write_trace
 from cpdpkit.cli import app
 from cpdpkit.labels import emu_label
-from cpdpkit.profiler import analyze
+from cpdpkit.profiler import analyze, analyze_trace, load_trace
+from cpdpkit.profiler.whatif import rank_timeline
 from cpdpkit.topology import preset
 
 pytestmark = pytest.mark.timeout(60)
@@ -22,8 +23,8 @@ MODELED_US = 1000.0
 STEP_US = 2000.0
 
 
-def _model_us(topology: str) -> float:
-    return preset(topology, world_size=2).group((0, 1)).time_s("all_reduce", NUM_BYTES) * 1e6
+def _model_us(topology: str, num_bytes: int = NUM_BYTES) -> float:
+    return preset(topology, world_size=2).group((0, 1)).time_s("all_reduce", num_bytes) * 1e6
 
 
 def _blocking_step(k: int, *, emu: bool) -> list[dict]:
@@ -225,3 +226,43 @@ def test_ranks_wait_for_the_predicted_last_arrival(tmp_path: Path) -> None:
     exposed = run.summary.per_step["exposed_us"] + sum(sum(change[r]) / 2 for r in (0, 1)) / 2
     assert run.what_if.step_time_us == pytest.approx(step_time)
     assert run.what_if.exposed_us == pytest.approx(exposed)
+
+
+SLOW_BYTES = 100_000  # lan prices it under the 800 us of compute that it overlapped when measured
+
+
+def _slowed_step(k: int) -> list[dict]:
+    """Step ``k`` of 2000 us in which compute runs at half speed while the all-reduce is in flight:
+    4 ops of 100 us alone (0-400), the call site 400-410 and 1000 us of link time (400-1400), the
+    same 4 ops at 200 us each under it (410-1210), the wait 1210-1410 (completion at 1400 + 10 us
+    to resume), 4 ops of 100 us alone (1410-1810), idle to 2000. Measured: exposed 10 + 200 us."""
+    t = k * STEP_US
+    label = emu_label("all_reduce", num_bytes=SLOW_BYTES, tier="LAN", ranks="0-1", modeled_s=MODELED_US / 1e6)
+    events = [step(k, t, STEP_US), cpu_op("c10d::allreduce_", t + 400, 10),
+              annotation(label, t + 400, MODELED_US, tid=GLOO + 1)]
+    events += [cpu_op("aten::add", t + 100 * i, 100) for i in range(4)]
+    events += [cpu_op("aten::add", t + 410 + 200 * i, 200) for i in range(4)]
+    events += [cpu_op("aten::add", t + 1410 + 100 * i, 100) for i in range(4)]
+    return events
+
+
+def test_compute_slowed_under_communication_is_measured_and_replayed(tmp_path: Path) -> None:
+    folder = _run(tmp_path, lambda: [e for k in range(2) for e in _slowed_step(k)])
+    trace = load_trace(folder / "rank0.pt.trace.json")
+    report = analyze([folder]).runs[0]
+    assert report.summary.per_step["exposed_us"] == pytest.approx(210)
+    timeline = rank_timeline(trace, analyze_trace(trace))
+    assert timeline.slowdown == pytest.approx(2.0)  # 200 us under the link, 100 us alone
+    d = _model_us("lan", SLOW_BYTES)
+    assert 10 < d < 810  # the new link ends inside the 800 us of slowed compute
+    # replay by hand: compute 410-1210 holds 400 us of work; the link now ends at 400 + d, so
+    # (400 + d - 410) us of it run at half speed and the rest at full speed
+    under = 400 + d - 410
+    compute_change = under + (400 - under / 2) - 800
+    # the wait then starts after the (earlier) completion: it shrinks to nothing
+    run = analyze([folder], what_if="lan").runs[0]
+    assert run.what_if.step_time_us == pytest.approx(STEP_US + compute_change - 200)
+    assert run.what_if.exposed_us == pytest.approx(10)
+    # on wan the link outlasts the slowed compute: compute keeps its length, the wait grows
+    wan = analyze([folder], what_if="wan").runs[0].what_if
+    assert wan.step_time_us == pytest.approx(400 + _model_us("wan", SLOW_BYTES) + 10 + 400 + 190)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import subprocess
 import sys
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,30 @@ def test_a_file_the_stream_cannot_follow_is_read_whole_at_most_whole_limit(tmp_p
     assert str(info.value) == (f"{path}: more than {WHOLE_LIMIT:,} bytes decompressed, the most read whole (the "
                                "streaming reader could not follow this file: it is not valid JSON, or its "
                                "'traceEvents' starts after the first 64 MiB)")
+
+
+@pytest.mark.parametrize("layout", ["gzip", "plain", "read whole"])
+def test_memory_follows_the_file_not_the_limit(tmp_path: Path, layout: str) -> None:
+    """Reading to the end asks the file for a block at a time: one ``read(limit + 1)`` made io
+    allocate the limit up front (4 GiB by default; tracemalloc's peak read 4.29e9 on a 10 MB
+    trace, a host without overcommit would refuse it)."""
+    body = (b'{"traceEvents": [', b",".join([EVENT] * 1000), b'], "distributedInfo": {"rank": 0}}')
+    path = tmp_path / "t.json"
+    if layout == "gzip":
+        path = _gz(tmp_path / "t.json.gz", *body)
+    else:  # a comma before the first event: not streamable, read whole (WHOLE_LIMIT, 64 MiB, at once before)
+        path.write_bytes(b"".join(body).replace(b"[{", b"[ ,{") if layout == "read whole" else b"".join(body))
+    tracemalloc.start()
+    try:
+        if layout == "read whole":
+            with pytest.raises(TraceFileError, match="not valid JSON"):
+                load_trace(path, parallel=False)
+        else:
+            assert load_trace(path, parallel=False).num_events == 1000
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, peak
 
 
 class _Counted:

@@ -339,8 +339,6 @@ def no_regression_line(check: RegressionCheck) -> str:
 def _check(new: list[RunReport], bases: list[RunReport], limit: float | None,
            baseline: str | None) -> tuple[list[tuple[RunReport, RunReport]], RegressionCheck | None, list[str]]:
     """Pairs for the table, the regression check (with ``--max-regression``) and problems (exit 2)."""
-    from cpdpkit.profiler.compare import check_regression, pair_runs
-
     if not bases:
         if limit is None:
             return [], None, []
@@ -352,6 +350,8 @@ def _check(new: list[RunReport], bases: list[RunReport], limit: float | None,
         names = ", ".join(f"{b.name} ({b.path})" for b in bases)
         return [], None, [f"--max-regression: no run to compare with the baseline {names}; pass the new "
                           "runs' folders as well"]
+    from cpdpkit.profiler.compare import check_regression, pair_runs  # with a baseline only
+
     try:
         pairs, notes = pair_runs(new, bases)
     except ConfigError as exc:
