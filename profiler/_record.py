@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, dataclass_transform
 
 __all__ = ["record"]
 
@@ -98,21 +98,24 @@ def _frozen_delete(self: Any, name: str) -> None:
     raise dataclasses.FrozenInstanceError(f"cannot delete field {name!r}")
 
 
+@dataclass_transform(frozen_default=True)  # type checkers see a frozen dataclass (its __init__, fields)
 def record(cls: type[T] | None = None, /, *, eq: bool = True, kw_only: bool = False) -> Any:
     """``@dataclass(frozen=True, eq=eq, kw_only=kw_only)`` with shared methods (module docstring)."""
 
-    def wrap(c: type[T]) -> type[T]:
-        c = dataclasses.dataclass(c, init=False, repr=False, eq=False, kw_only=kw_only)  # fields only
+    def wrap(cls_: type[T]) -> type[T]:
+        cls_ = dataclasses.dataclass(cls_, init=False, repr=False, eq=False, kw_only=kw_only)  # fields only
+        # the methods are set on the class object as dataclasses itself does (a dynamic class: Any)
+        c: Any = cls_
         positional, keyword, defaults, compared, shown = _plan(c)
-        c.__init__ = _make_init(c, positional, keyword, defaults)  # type: ignore[misc]
+        c.__init__ = _make_init(c, positional, keyword, defaults)
 
         def __repr__(self: Any) -> str:
             inner = ", ".join(f"{name}={getattr(self, name)!r}" for name in shown)
             return f"{type(self).__qualname__}({inner})"
 
-        c.__repr__ = __repr__  # type: ignore[assignment]
-        c.__setattr__ = _frozen_error  # type: ignore[assignment]
-        c.__delattr__ = _frozen_delete  # type: ignore[assignment]
+        c.__repr__ = __repr__
+        c.__setattr__ = _frozen_error
+        c.__delattr__ = _frozen_delete
         if eq:
             def key(self: Any) -> tuple:
                 return tuple(getattr(self, name) for name in compared)
@@ -122,11 +125,11 @@ def record(cls: type[T] | None = None, /, *, eq: bool = True, kw_only: bool = Fa
                     return key(self) == key(other)
                 return NotImplemented
 
-            c.__eq__ = __eq__  # type: ignore[assignment]
-            c.__hash__ = lambda self: hash(key(self))  # type: ignore[assignment]
-        params = c.__dataclass_params__  # type: ignore[attr-defined]
+            c.__eq__ = __eq__
+            c.__hash__ = lambda self: hash(key(self))
+        params = c.__dataclass_params__
         params.init = params.repr = params.frozen = True  # what dataclasses.replace and users read
         params.eq = eq
-        return c
+        return cls_
 
     return wrap if cls is None else wrap(cls)

@@ -94,13 +94,13 @@ def test_launch_bad_input_raises_before_starting(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("args", "message"), [
     (["topology", "show", "moon"],
      "error: unknown topology preset 'moon'; use one of lan, wan, wan-variable, cluster, multisite, "
-     "cluster-slow-ib or a path to a .toml file"),
+     "cluster-slow-ib, cluster-slower-ib or a path to a .toml file"),
     (["topology", "show", "wan", "--world-size", "3"],
      "error: topology 'wan' needs a world size divisible by 2 (2 site(s) x 1 node(s) x ? rank(s)); got 3; "
      "run a multiple of 2 ranks or use a TOML file"),
     (["launch", "--nproc-per-node", "2", "--topology", "moon", TINY],
      "error: unknown topology preset 'moon'; use one of lan, wan, wan-variable, cluster, multisite, "
-     "cluster-slow-ib or a path to a .toml file"),
+     "cluster-slow-ib, cluster-slower-ib or a path to a .toml file"),
     (["launch", "--nproc-per-node", "2", "nope.py"],
      "error: script 'nope.py' does not exist; pass the path of a Python file"),
 ])
