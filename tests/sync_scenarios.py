@@ -155,8 +155,9 @@ def checkpoint_resume(rank: int, world: int, strategy: str, stop_at: int, total:
 
 
 def auto_period(rank: int, world: int, runs: list[dict]) -> list[dict]:
-    """``period="auto"`` runs: per step the kind and (after the inner step, before any
-    averaging) this rank's parameters; the decisions; the labelled spans of the run."""
+    """``period="auto"`` runs: per step the kind and this rank's parameters after the inner step (before
+    any averaging) and after the whole step (an overlapped launch sends these: a pending average is
+    applied first); the decisions; the labelled spans of the run."""
     out = []
     for options in runs:
         model = make_model(0)
@@ -169,13 +170,15 @@ def auto_period(rank: int, world: int, runs: list[dict]) -> list[dict]:
 
         inner.register_step_post_hook(snapshot)
         kinds = []
+        after_step: dict[int, list[torch.Tensor]] = {}
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for n in range(1, 25):
                 kinds.append(opt.next_step_kind().value)
                 _train(opt, model, rank, range(n, n + 1))
+                after_step[n] = _params(model)
         names = sorted({e.name for e in prof.events() if e.name.startswith("cpdpkit::sync::")})
         stats = opt.stats.to_dict()
-        out.append({"kinds": kinds, "snapshots": snapshots, "stats": stats, "names": names,
+        out.append({"kinds": kinds, "snapshots": snapshots, "after_step": after_step, "stats": stats, "names": names,
                     "params": _params(model)})
     return out
 
