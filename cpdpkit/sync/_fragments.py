@@ -17,51 +17,13 @@ the same pieces of the gradients (:class:`~cpdpkit.sync._grad_buckets.GradientBu
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 import torch
 
 from cpdpkit.errors import ConfigError
 from cpdpkit.sync._flat import Segment, SegmentedParameters
 
-if TYPE_CHECKING:
-    from cpdpkit.sync._grad_buckets import GradientBuckets
-    from cpdpkit.sync._reconcile import Reconciler
-
-__all__ = ["split_params", "check_fragments", "FragmentParameters", "Part", "fragment_offset"]
-
-
-@dataclass
-class Part:
-    """One fragment (the whole model without fragments): its parameters, its reconciler, its gradient buckets."""
-
-    flat: SegmentedParameters
-    reconciler: Reconciler
-    buckets: GradientBuckets | None = None
-    # cpdp's compressed gradient residuals (``state()``/``load()``): its buckets', or FSDP2's per-unit ones
-    grad_feedback: Any = None
-
-    def state_dict(self) -> dict[str, Any]:
-        """Its anchor and SlowMo momentum, its reconciler's state, and cpdp's gradient residuals."""
-        feedback = self.grad_feedback
-        return {**self.flat.slowmo_state(), **self.reconciler.state_dict(),
-                "grad_residuals": feedback.state() if feedback is not None else None}
-
-    def load_state_dict(self, own: dict[str, Any], step: int, *, capture: bool | None) -> None:
-        """Restore :meth:`state_dict`; ``capture`` (not None): take the anchor now, with a slow momentum when True,
-        if the state holds none."""
-        self.flat.load_slowmo_state(own)
-        if capture is not None and own.get("anchor") is None:
-            self.flat.capture_anchor(momentum=capture)
-        self.reconciler.load_state_dict(own, step)
-        if self.grad_feedback is not None:
-            self.grad_feedback.load(own.get("grad_residuals"))
-
-
-def fragment_offset(f: int, fragments: int, period: int) -> int:
-    """Steps by which fragment ``f``'s reconciliations trail fragment 0's: ``⌊f·K/F⌋``."""
-    return (f * period) // fragments
+__all__ = ["split_params", "check_fragments", "FragmentParameters"]
 
 
 def split_params(sizes: Sequence[int], fragments: int) -> list[list[tuple[int, int, int]]]:

@@ -53,8 +53,9 @@ from cpdpkit.errors import ConfigError
 from cpdpkit.labels import SYNC
 from cpdpkit.sync._comm import Communicator
 from cpdpkit.sync._flat import FlatParameters, SegmentedParameters
-from cpdpkit.sync._fragments import FragmentParameters, Part, fragment_offset
+from cpdpkit.sync._fragments import FragmentParameters
 from cpdpkit.sync._grad_buckets import GradientBuckets
+from cpdpkit.sync._parts import Part, Parts, fragment_offset, named_values
 from cpdpkit.sync._reconcile import STATS_SLOTS, Reconciler
 from cpdpkit.sync._replicas import check_replicas
 from cpdpkit.sync._sharded import ShardedParameters, ShardGradientSync, as_param_layout, is_sharded
@@ -162,7 +163,7 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         self._extra_bytes = 0
         self._no_sync = False
         self._shard_grads: ShardGradientSync | None = None
-        self._parts = [self._part(i, flat) for i, flat in enumerate(self._fragments())]
+        self._parts = Parts(self.config, [self._part(i, flat) for i, flat in enumerate(self._fragments())])
         names = {id(p): name for name, p in self._module.named_parameters()}
         self._param_names = {id(p): names.get(id(p), f"#{i}") for i, p in enumerate(self._flat_params())}
         self._after_ran = False
@@ -275,7 +276,7 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
             if part.buckets is not None:
                 part.grad_feedback = part.buckets.feedback
         if self.config.warmup_steps == 0:
-            self._begin_periodic_phase()
+            self._parts.begin_periodic_phase()
         self._arm_next_step()
         for part in self._parts:
             part.reconciler.mark(0)
@@ -337,33 +338,9 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
     def next_step_kind(self) -> StepKind:
         return self._reconciler.schedule.kind(self._step + 1)
 
-    def _syncs_gradients(self, n: int, part: Part | None = None) -> bool:
-        """Whether step ``n`` all-reduces (``part``'s, default fragment 0's) gradients across the group."""
-        rec = (part or self._parts[0]).reconciler
-        kind = rec.schedule.kind(n)
-        if self.config.averages_first and kind not in (StepKind.DDP, StepKind.WARMUP):
-            return n == rec.sync_step  # the step after an applied average
-        return self.config.kind_syncs_gradients(kind)
-
-    def _averages_after(self, n: int, part: Part | None = None) -> bool:
-        """Whether step ``n`` ends with a (blocking or launched) average (of ``part``, default fragment 0)."""
-        schedule = (part or self._parts[0]).reconciler.schedule
-        if self.config.averages_first:
-            return n > self.config.warmup_steps and schedule.kind(n + 1) is StepKind.RECONCILE
-        return schedule.kind(n) is StepKind.RECONCILE
-
-    def _begin_periodic_phase(self) -> None:
-        """average-then-step: when the first periodic step is a reconciliation (K = 1), the replicas are
-        already at a consensus (the broadcast, or warm-up's all-reduced steps): it is synchronous as it is."""
-        first = self.config.warmup_steps + 1
-        for rec in (part.reconciler for part in self._parts):
-            if self.config.averages_first and rec.schedule.kind(first) is StepKind.RECONCILE:
-                rec.schedule.reconciled(first)
-                rec.sync_step = first
-
     def _gradient_target(self, part: Part | None = None) -> Communicator | None:
         """The communicator the coming step's (``part``'s) gradients are averaged over (hook time)."""
-        if self._syncs_gradients(self._step + 1, part):
+        if self._parts.syncs_gradients(self._step + 1, part):
             return self._comm
         return self._fast
 
@@ -373,16 +350,12 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         return self.config.compression if self.config.strategy == "cpdp" else "none"
 
     def _compresses_gradients(self, part: Part) -> bool:
-        """Whether the coming step's gradient sync of ``part`` is compressed: ``cpdp``'s synchronous step with a
-        codec (warm-up's all-reduces stay fp32, as DDP's; only the periodic phase's exchanges are compressed)."""
-        n = self._step + 1
-        return (self.config.compression != "none" and self._syncs_gradients(n, part)
-                and part.reconciler.schedule.kind(n) not in (StepKind.DDP, StepKind.WARMUP))
+        return self._parts.compresses_gradients(self._step + 1, part)
 
     def _arm_next_step(self) -> None:
         """Tell the gradient path whether the coming backward communicates."""
         if self._ddp is not None:
-            syncs = self._syncs_gradients(self._step + 1) and not self._no_sync
+            syncs = self._parts.syncs_gradients(self._step + 1) and not self._no_sync
             self._ddp.require_backward_grad_sync = syncs
         for part in self._parts:
             if part.buckets is not None:
@@ -416,7 +389,7 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
                 loss = closure()
         n = self._step + 1
         kind = self._reconciler.schedule.kind(n)
-        syncs = any(self._syncs_gradients(n, part) for part in self._parts)
+        syncs = any(self._parts.syncs_gradients(n, part) for part in self._parts)
         if self._buckets is not None:
             for part in self._parts:
                 target = self._gradient_target(part)
@@ -450,7 +423,7 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
             if all(part.reconciler.schedule.kind(n) is StepKind.LOCAL for part in self._parts):
                 self._counts["local_steps"] += 1
             for part in self._parts:  # with fragments, one reconciliation each (staggered)
-                if self._averages_after(n, part):
+                if self._parts.averages_after(n, part):
                     self._counts["reconciliations"] += 1
                     if self.config.overlap_steps:
                         part.reconciler.launch(n)
@@ -464,7 +437,7 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
                 part.flat.capture_anchor(momentum=self._slow_momentum)
                 part.reconciler.mark(n)
         if n == self.config.warmup_steps > 0:
-            self._begin_periodic_phase()
+            self._parts.begin_periodic_phase()
 
     # -- over a slice executor (TwoStageExecutor): the hooks it calls ----------------------------------
     def defers_exchange(self) -> bool:
@@ -472,7 +445,7 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         slices after their update (a reconciliation, or an overlapped average due): then the executor
         updates in :meth:`step`, after the gradients arrived, and exchanges only after :meth:`after_updates`."""
         n = self._step + 1
-        if self._averages_after(n) or self.gradient_sync_due():
+        if self._parts.averages_after(n) or self.gradient_sync_due():
             return True
         flight = self._reconciler.in_flight
         return flight is not None and n >= flight.apply_step
@@ -497,7 +470,7 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
     def flush(self) -> None:
         """Apply a reconciliation still in flight (``overlap_steps >= 1``) now, e.g. at the end
         of training; every rank must call it. Nothing happens when none is in flight."""
-        applied = any(part.reconciler.in_flight is not None for part in self._parts)
+        applied = self._parts.in_flight
         for part in self._parts:
             part.reconciler.apply(self._step)
         if applied and self._executor is not None:
@@ -525,16 +498,7 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
     def _named_values(self, values: list[torch.Tensor],
                       flat: SegmentedParameters | None = None) -> list[tuple[str, torch.Tensor]]:
         """``(name, its slice of values)`` per parameter; ``values`` laid out as ``flat``'s segments (default: all)."""
-        flat = flat or self._flat
-        starts = flat.starts if isinstance(flat, FragmentParameters) else None  # a fragment may hold a piece
-        out = []
-        for si, (seg, v) in enumerate(zip(flat.segments, values)):
-            for j, (p, shape, off) in enumerate(zip(seg.params, seg.shapes, seg.offsets)):
-                name = self._param_names[id(p)]
-                if starts is not None and shape.numel() != p.numel():
-                    name += f"[{starts[si][j]}:{starts[si][j] + shape.numel()}] (flattened)"
-                out.append((name, v[off : off + shape.numel()].view(shape)))
-        return out
+        return named_values(flat or self._flat, values, self._param_names)
 
     def _check_reconciled(self, flat: SegmentedParameters, step: int, values: list[torch.Tensor]) -> None:
         check_replicas(self._comm, self._named_values(values, flat), when=f"after the reconciliation of step {step}")
@@ -559,7 +523,7 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
             bytes_sent=sum(c.bytes_sent for c in comms) + self._extra_bytes,
             blocked_s=sum(c.blocked_s for c in comms),
             period=self.period,
-            in_flight=any(part.reconciler.in_flight is not None for part in self._parts),
+            in_flight=self._parts.in_flight,
             period_decisions=tuple(self._reconciler.decisions),
         )
 
@@ -593,8 +557,7 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
             "counts": dict(self._counts),
             "layout": self._flat.layout(),
             # without fragments the one reconciler's state at the top level; with them, each fragment's
-            **(self._parts[0].state_dict() if len(self._parts) == 1 else self._flat.slowmo_state()),
-            "fragments": [part.state_dict() for part in self._parts] if len(self._parts) > 1 else None,
+            **self._parts.state_dict(self._flat),
         }
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
@@ -625,12 +588,7 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         self._step = int(own["step"])
         self._counts.update(own.get("counts", {}))
         anchor = self._slow_momentum if self._keeps_anchor else None  # None: no anchor to capture
-        if len(self._parts) == 1:
-            self._parts[0].load_state_dict(own, self._step, capture=anchor)
-        else:
-            self._flat.load_slowmo_state(own)
-            for part, saved in zip(self._parts, own["fragments"], strict=True):
-                part.load_state_dict(saved, self._step, capture=anchor)
+        self._parts.load_state_dict(own, self._step, self._flat, capture=anchor)
         self._arm_next_step()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
