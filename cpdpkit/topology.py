@@ -437,15 +437,13 @@ _IB = Tier(name="IB", latency_s=5e-6, bandwidth_bytes_per_s=25e9)  # one HDR 200
 _WAN_VARIABLE = replace(_WAN, latency_jitter_frac=0.3, bandwidth_jitter_frac=0.5)
 # A real HDR link is 5 us / 25 GB/s, but a GPU computes about 1,000x faster than the two CPU cores the
 # sharding suite runs on; scaling the link down by ~170x keeps communication a comparable share of a step
-# The CPU presets' fixed cost of one gloo collective (collective_overhead_s): the median 8-byte all_reduce of
-# 2 of 4 ranks on this machine's 2 cores, 0.47 ms inside a "node", 0.40 ms across, at load 7
-# (python benchmarks/collective_overhead.py, 2026-12-03); one rounded figure for both tiers
-_CPU_COLLECTIVE_S = 0.5e-3
-_SLOW_IB = Tier(name="IB", latency_s=1e-3, bandwidth_bytes_per_s=150e6, collective_overhead_s=_CPU_COLLECTIVE_S)
+_SLOW_IB = Tier(name="IB", latency_s=1e-3, bandwidth_bytes_per_s=150e6)
 # communication-dominated: the same link a further 3x slower in bandwidth and 2x in latency (sharding suite)
-_SLOWER_IB = Tier(name="IB", latency_s=2e-3, bandwidth_bytes_per_s=50e6, collective_overhead_s=_CPU_COLLECTIVE_S)
-# NVLink's α-β figures with the CPU ranks' fixed cost per collective (the two presets above run on gloo)
-_NVLINK_CPU = replace(_NVLINK, collective_overhead_s=_CPU_COLLECTIVE_S)
+_SLOWER_IB = Tier(name="IB", latency_s=2e-3, bandwidth_bytes_per_s=50e6)
+# No preset sets collective_overhead_s: with this machine's measured 0.5 ms per gloo collective
+# (benchmarks/collective_overhead.py) the planner merges gpt-tiny's blocks so that no exchange is left
+# for stage 1 and drops state sharding (docs/results.md, issue 28); benchmarks/cluster-slow-ib-gloo.toml
+# is cluster-slow-ib with it
 
 
 @dataclass(frozen=True)
@@ -488,7 +486,7 @@ def _cluster(name: str, world: int | None, rpn: int | None) -> TopologySpec:
 
 def _cluster_slow_ib(name: str, _world: int | None, rpn: int | None) -> TopologySpec:
     ib = _SLOWER_IB if name == "cluster-slower-ib" else _SLOW_IB
-    return TopologySpec(name=name, tiers=(_NVLINK_CPU, ib), intra_node_tier="NVLINK", inter_node_tier="IB",
+    return TopologySpec(name=name, tiers=(_NVLINK, ib), intra_node_tier="NVLINK", inter_node_tier="IB",
                         ranks_per_node=rpn if rpn is not None else 2, nodes_per_site=None, num_sites=1,
                         description=PRESETS[name])
 
@@ -529,8 +527,7 @@ _REGISTRY: dict[str, _Preset] = {
         "divisible by 4), or with --ranks-per-node R, world_size/(2R) nodes per site", _multisite),
     "cluster-slow-ib": _Preset(
         "nodes of 2 ranks: NVLINK inside (3 us, 300 GB/s), IB between scaled to CPU compute "
-        "(1 ms, 150 MB/s), each tier 0.5 ms of fixed cost per collective (gloo on CPU); the sharding "
-        "suite's default (even world sizes)", _cluster_slow_ib),
+        "(1 ms, 150 MB/s); the sharding suite's default (even world sizes)", _cluster_slow_ib),
     "cluster-slower-ib": _Preset(
         "cluster-slow-ib with the IB a further 2x slower in latency and 3x in bandwidth (2 ms, 50 MB/s): the "
         "sharding suite's communication-dominated scenario (even world sizes)", _cluster_slow_ib),

@@ -4,6 +4,7 @@ and unit sizes: pure Python, no process group."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,10 +68,11 @@ def test_the_two_stage_schedule_charges_the_fixed_cost_per_exchange():
 
 
 def test_the_fixed_cost_reads_from_toml_round_trips_and_refuses_a_negative_value():
-    text = preset("cluster-slow-ib").to_toml()
-    assert "collective_overhead_s = 0.0005" in text
-    spec = parse_topology_toml(text)
+    path = Path(__file__).parents[1] / "benchmarks" / "cluster-slow-ib-gloo.toml"
+    spec = parse_topology_toml(path.read_text(), source=str(path))
     assert {t.name: t.collective_overhead_s for t in spec.tiers} == {"NVLINK": 0.0005, "IB": 0.0005}
+    assert parse_topology_toml(spec.to_toml()) == spec
+    assert all(t.collective_overhead_s == 0.0 for t in preset("cluster-slow-ib").tiers)  # no preset sets it
     with pytest.raises(TopologyError) as err:
         Tier(name="IB", latency_s=1e-3, bandwidth_bytes_per_s=1e9, collective_overhead_s=-1.0)
     assert str(err.value) == "tiers.IB.collective_overhead_s = -1.0 is invalid; set it to a finite number >= 0"
