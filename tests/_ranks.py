@@ -150,7 +150,7 @@ def run_phases(world_size: int, tmp_path: Path, phases: list[tuple[str, Any, int
 _SHARED_PHASES: dict[str, tuple[Any, float, int]] = {}
 # The timeout of every test that uses the shared group: the first one to ask waits for all of it
 # (the owners' shares below add up to less).
-SPAWN_TIMEOUT_S = 1200
+SPAWN_TIMEOUT_S = 1320
 
 
 def share_spawn(owner: str, build: Any, timeout_s: float, *, order: int = 0) -> None:

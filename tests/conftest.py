@@ -21,7 +21,8 @@ import _ranks
 @pytest.fixture(scope="session")
 def planner_spawn(request, tmp_path_factory):
     """The jobs that test modules registered with ``_ranks.share_spawn`` (apply_plan, the two
-    executors, the collective labels, the network model's agreement, the 4-rank sync numerics), run
+    executors, the collective labels, the network model's agreement, the 4-rank sync numerics, the
+    jobs of the sharding and hybrid suites' CLI runs: tests/_suite_jobs.py), run
     one after the other in ONE spawned group of 4 processes, each job with its own process group (a
     2-rank job on ranks 0-1) and DTensor's caches emptied before it: torch, FSDP and dynamo are
     imported once per session instead of once per job. Results by owner (the registering module's
@@ -48,8 +49,7 @@ def world1():
 # pytest-xdist (`make test TEST_WORKERS=3`: -n 3 --dist loadgroup): the tests of one
 # xdist_group run on one worker, one after the other, so a session fixture that runs every collected
 # module's jobs runs once per run, not once per worker. Each test that asks for one of these fixtures
-# joins its group here. RANKS4 is also the group of the other heavy 4-rank jobs (the bench suites
-# through the CLI: `@pytest.mark.xdist_group(RANKS4)`), so that no two of them share the 2 cores.
+# joins its group here (the bench suites' CLI runs too: their jobs are in planner_spawn).
 # Without -n the groups mean nothing.
 RANKS4 = "ranks4"
 FIXTURE_GROUPS = {"planner_spawn": RANKS4, "sync_ranks": "sync_ranks"}

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 import typer.main
 from typer.testing import CliRunner
 
+from _ranks import SPAWN_TIMEOUT_S
+from _suite_jobs import run_suite, share_suite
 from cpdpkit.bench.hybrid.suite import HYBRID_STRATEGIES, HybridBenchConfig
 from cpdpkit.bench.models.gpt import GPT_PRESETS
 from cpdpkit.cli import app
@@ -28,19 +28,22 @@ HYBRID_OPTIONS = {"--strategies", "--model", "--world-size", "--topology", "--ba
                   "--work-dir"}
 
 
-@pytest.mark.xdist_group("ranks4")  # tests/conftest.py: one 4-rank job at a time
+HYBRID_RAN = ("ddp-global", "hsdp-global", "cpdp-over-hsdp", "cpdp-over-two-stage")
+HYBRID_ARGS = ["hybrid", "--quick", "--strategies", ",".join(HYBRID_RAN)]
+# Its jobs run in the session's shared group of 4 processes (tests/_suite_jobs.py): ~2 s each instead of a
+# 4-rank torchrun launch each (~12 s of start-up on a quiet machine, 30-60 s loaded).
+share_suite(__name__, HYBRID_ARGS)
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(360)
-def test_quick_hybrid_suite_runs_the_peers_and_ours_and_accounts_for_bytes_and_memory(tmp_path):
-    # One 4-rank job per strategy (most of the time is their start-up): gpt-micro, one period timed. The
-    # overlapped variant is left out to save a job: tests/test_sync_sharded.py checks its numerics.
-    out, plot = tmp_path / "h.json", tmp_path / "loss.png"
-    ran = ("ddp-global", "hsdp-global", "cpdp-over-hsdp", "cpdp-over-two-stage")
-    proc = subprocess.run([sys.executable, "-m", "cpdpkit.cli", "bench", "hybrid", "--quick", "--json", str(out),
-                           "--plot", str(plot), "--strategies", ",".join(ran)],
-                          capture_output=True, text=True, timeout=350)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "WAN exp. ms" in proc.stdout and "cpdp-over-hsdp vs hsdp-global: step time x" in proc.stdout
+@pytest.mark.timeout(SPAWN_TIMEOUT_S)  # the first test to ask for planner_spawn waits for all of it
+def test_quick_hybrid_suite_runs_the_peers_and_ours_and_accounts_for_bytes_and_memory(tmp_path, planner_spawn):
+    # gpt-micro, one period timed. The overlapped variant is left out: tests/test_sync_sharded.py checks its
+    # numerics.
+    out, plot, ran = tmp_path / "h.json", tmp_path / "loss.png", HYBRID_RAN
+    result = run_suite(__name__, [*HYBRID_ARGS, "--json", str(out), "--plot", str(plot)], planner_spawn)
+    assert result.exit_code == 0, result.output[-4000:]
+    assert "WAN exp. ms" in result.stdout and "cpdp-over-hsdp vs hsdp-global: step time x" in result.stdout
     assert plot.stat().st_size > 0
     report = json.loads(out.read_text())
     cfg = report["config"]

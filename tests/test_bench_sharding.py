@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 import typer.main
 from typer.testing import CliRunner
 
+from _ranks import SPAWN_TIMEOUT_S
+from _suite_jobs import run_suite, share_suite
 from cpdpkit.bench.models.gpt import GPT_PRESETS
 from cpdpkit.bench.sharding.suite import SHARDING_STRATEGIES, ShardingBenchConfig
 from cpdpkit.cli import app
@@ -28,19 +28,22 @@ QUICK_STRATEGIES = ("hsdp", "zero1", "zero1-overlap", "two-stage", "partial")
 NOTICE = "note: `cpdpkit bench --suite sharding` is deprecated; use `cpdpkit bench sharding` (same options)"
 
 
-@pytest.mark.xdist_group("ranks4")  # tests/conftest.py: one 4-rank job at a time
+SHARDING_ARGS = ["sharding", "--quick", "--strategies", ",".join(QUICK_STRATEGIES)]
+# Its jobs run in the session's shared group of 4 processes (tests/_suite_jobs.py): ~2 s each instead of a
+# 4-rank torchrun launch each (~12 s of start-up on a quiet machine, 30-60 s loaded).
+share_suite(__name__, SHARDING_ARGS)
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_quick_sharding_suite_runs_the_peers_and_executors_and_judges_their_goals(tmp_path):
-    # Each strategy is its own 4-rank torchrun job (~7-8 s of process start-up on 2 cores before any
-    # step), so this CI run takes the strategies with code of their own in the suite: fsdp2 and planned
-    # run the same FSDP2 branch of the worker as hsdp (apply_plan has its own tests) and are left out.
+@pytest.mark.timeout(SPAWN_TIMEOUT_S)  # the first test to ask for planner_spawn waits for all of it
+def test_quick_sharding_suite_runs_the_peers_and_executors_and_judges_their_goals(tmp_path, planner_spawn):
+    # The strategies with code of their own in the suite: fsdp2 and planned run the same FSDP2 branch of the
+    # worker as hsdp (apply_plan has its own tests) and are left out.
     out = tmp_path / "s.json"
-    proc = subprocess.run([sys.executable, "-m", "cpdpkit.cli", "bench", "sharding", "--quick", "--strategies",
-                           ",".join(QUICK_STRATEGIES), "--json", str(out)], capture_output=True, text=True, timeout=290)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "two-stage" in proc.stdout and "exposed ms/step" in proc.stdout and "stage1 meas/pred" in proc.stdout
-    assert "deprecated" not in proc.stderr
+    result = run_suite(__name__, [*SHARDING_ARGS, "--json", str(out)], planner_spawn)
+    assert result.exit_code == 0, result.output[-4000:]
+    assert "two-stage" in result.stdout and "exposed ms/step" in result.stdout and "stage1 meas/pred" in result.stdout
+    assert "deprecated" not in result.stderr
     report = json.loads(out.read_text())
     cfg = report["config"]
     assert cfg["topology"] == "cluster-slow-ib" and cfg["world_size"] == 4
@@ -96,7 +99,7 @@ def test_quick_sharding_suite_runs_the_peers_and_executors_and_judges_their_goal
     for line in ("partial vs fastest partially sharded peer (", "two-stage final loss |diff|",
                  "partial bytes/step per link vs zero1's on the same link: IB x", "partial optimizer state",
                  "partial stage-1 exchanges per step: measured"):
-        assert line in proc.stdout, line
+        assert line in result.stdout, line
 
 
 @pytest.mark.slow
