@@ -149,6 +149,11 @@ class Tier:
     term by ±``bandwidth_jitter_frac`` (see :func:`sampled_time_s`; the mean stays the unjittered
     time, which is all the planner uses). The emulator draws them, seeded, per collective.
 
+    ``collective_overhead_s`` (>= 0, default 0): the fixed cost of launching one collective on this
+    tier (launch + the host's CPU time of a small collective; gloo on CPU: milliseconds when ranks
+    share cores). The planner adds it once per collective (:meth:`NetworkGroup.planned_s`); the
+    emulator never delays by it, since the real collective under the emulated one pays it already.
+
     ``jitter_frac`` is the old single knob (the whole time scaled by one factor in [1 - j, 1 + j]),
     still accepted as an alias: ``jitter_frac=j`` sets both fractions to ``j``, which keeps its
     range and its mean (the two terms now draw independently). It is not a field, and cannot be
@@ -160,6 +165,7 @@ class Tier:
     bandwidth_bytes_per_s: float
     latency_jitter_frac: float = 0.0
     bandwidth_jitter_frac: float = 0.0
+    collective_overhead_s: float = 0.0
     jitter_frac: InitVar[float | None] = None
 
     def __post_init__(self, jitter_frac: float | None) -> None:
@@ -171,6 +177,7 @@ class Tier:
             raise TopologyError(f"tier name {LOCAL_TIER!r} is reserved for one-rank groups; rename the tier")
         check_number(f"tiers.{self.name}.latency_s", self.latency_s, minimum=0.0)
         check_number(f"tiers.{self.name}.bandwidth_bytes_per_s", self.bandwidth_bytes_per_s, positive=True)
+        check_number(f"tiers.{self.name}.collective_overhead_s", self.collective_overhead_s, minimum=0.0)
         if jitter_frac is not None:
             if self.latency_jitter_frac or self.bandwidth_jitter_frac:
                 raise TopologyError(
@@ -444,6 +451,16 @@ class NetworkGroup:
 
     def time_s(self, op: str, num_bytes: int) -> float:
         return self.cost(op, num_bytes).time_s
+
+    @property
+    def overhead_s(self) -> float:
+        """The fixed cost of one collective over this group: its tier's ``collective_overhead_s``
+        (the group's slowest tier: one collective call; 0 for a single rank)."""
+        return self.tier.collective_overhead_s if self.tier is not None and len(self.ranks) > 1 else 0.0
+
+    def planned_s(self, op: str, num_bytes: int) -> float:
+        """What the planner charges for one ``op``: the α-β :meth:`time_s` plus :attr:`overhead_s`."""
+        return self.time_s(op, num_bytes) + self.overhead_s
 
     def wire_bytes(self, op: str, num_bytes: int) -> int:
         return self.cost(op, num_bytes).wire_bytes

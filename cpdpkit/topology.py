@@ -245,6 +245,8 @@ class _Links:
                 lines.append(f"latency_jitter_frac = {t.latency_jitter_frac!r}")
             if t.bandwidth_jitter_frac:
                 lines.append(f"bandwidth_jitter_frac = {t.bandwidth_jitter_frac!r}")
+            if t.collective_overhead_s:
+                lines.append(f"collective_overhead_s = {t.collective_overhead_s!r}")
         if self.faults is not None:  # so a placed topology handed to launch reaches the ranks whole
             lines += ["", self.faults.to_toml().rstrip("\n")]
         return "\n".join(lines) + "\n"
@@ -438,6 +440,10 @@ _WAN_VARIABLE = replace(_WAN, latency_jitter_frac=0.3, bandwidth_jitter_frac=0.5
 _SLOW_IB = Tier(name="IB", latency_s=1e-3, bandwidth_bytes_per_s=150e6)
 # communication-dominated: the same link a further 3x slower in bandwidth and 2x in latency (sharding suite)
 _SLOWER_IB = Tier(name="IB", latency_s=2e-3, bandwidth_bytes_per_s=50e6)
+# No preset sets collective_overhead_s: with this machine's measured 0.5 ms per gloo collective
+# (benchmarks/collective_overhead.py) the planner merges gpt-tiny's blocks so that no exchange is left
+# for stage 1 and drops state sharding (docs/results.md, issue 28); benchmarks/cluster-slow-ib-gloo.toml
+# is cluster-slow-ib with it
 
 
 @dataclass(frozen=True)
@@ -547,7 +553,8 @@ def preset(name: str, *, world_size: int | None = None, ranks_per_node: int | No
 # ---- TOML --------------------------------------------------------------------------------------
 _AUTO_TOML = '"auto"'  # a placement count derived from the world size by place()
 _TOP_KEYS = {"name", "description", "placement", "levels", "tiers", "faults"}
-_TIER_KEYS = {"latency_s", "bandwidth_bytes_per_s", "latency_jitter_frac", "bandwidth_jitter_frac"}
+_TIER_KEYS = {"latency_s", "bandwidth_bytes_per_s", "latency_jitter_frac", "bandwidth_jitter_frac",
+              "collective_overhead_s"}
 _OLD_TIER_KEYS = {"jitter_frac"}  # still read (network.Tier maps it), never written nor suggested
 _LEVEL_KEYS = {"intra_node", "inter_node", "inter_site"}
 

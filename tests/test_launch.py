@@ -117,7 +117,7 @@ def test_cli_bad_toml_field_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert result.exit_code == 2
     assert result.stderr.strip() == (
         f"error: {path} [tiers.LAN]: unknown key 'latency_ms'; use one of bandwidth_bytes_per_s, "
-        "bandwidth_jitter_frac, latency_jitter_frac, latency_s"
+        "bandwidth_jitter_frac, collective_overhead_s, latency_jitter_frac, latency_s"
     )
 
 

@@ -266,7 +266,7 @@ ERRORS = [
      "topology 't': intra_node_tier = 'IB' is not a defined tier; use one of LAN or add [tiers.IB]"),
     (_bad_base("latency_s", "latency_ms"),
      "t.toml [tiers.LAN]: unknown key 'latency_ms'; use one of bandwidth_bytes_per_s, bandwidth_jitter_frac, "
-     "latency_jitter_frac, latency_s"),
+     "collective_overhead_s, latency_jitter_frac, latency_s"),
     (_bad_base("latency_s = 1e-4\n", ""),
      "t.toml [tiers.LAN]: latency_s is missing; add latency_s = <number>"),
     (_bad_base("ranks_per_node = 2", "ranks_per_node = 0"),
@@ -278,7 +278,7 @@ ERRORS = [
      "name the tier between nodes or set nodes_per_site = 1"),
     (lambda: parse_topology_toml(BASE + "\nspeed = 3\n", source="t.toml"),
      "t.toml [tiers.LAN]: unknown key 'speed'; use one of bandwidth_bytes_per_s, bandwidth_jitter_frac, "
-     "latency_jitter_frac, latency_s"),
+     "collective_overhead_s, latency_jitter_frac, latency_s"),
     (lambda: parse_topology_toml("name = 'x'\nsites = 2\n", source="t.toml"),
      # "faults": the [faults] table a topology TOML may hold since issue 15
      "t.toml: unknown key 'sites'; use one of description, faults, levels, name, placement, tiers"),

@@ -154,8 +154,9 @@ class CostModel:
 
 def comm_phase(model: CostModel, name: str, op: str, axis: str, group: tuple[int, int, int],
                sizes: list[int]) -> CommPhase | None:
-    """One phase: ``op`` on each of ``sizes`` bytes over ``group``, priced by the network model
-    (``None`` when there is nothing to send or the group has one rank)."""
+    """One phase: ``op`` on each of ``sizes`` bytes over ``group``, priced by the network model, each
+    collective also charged its tier's fixed ``collective_overhead_s`` (``None`` when there is nothing
+    to send or the group has one rank)."""
     if not sizes or len(range(*group)) < 2:
         return None
     net = model.group(group)
@@ -166,7 +167,8 @@ def comm_phase(model: CostModel, name: str, op: str, axis: str, group: tuple[int
             by_tier[tier] = by_tier.get(tier, 0) + wire
     return CommPhase(name=name, op=op, axis=axis, tier=model.tier_name(group), num_ranks=net.num_ranks,
                      num_collectives=len(sizes), collective_bytes=sum(sizes),
-                     wire_bytes_per_rank=sum(c.wire_bytes for c in costs), time_s=sum(c.time_s for c in costs),
+                     wire_bytes_per_rank=sum(c.wire_bytes for c in costs),
+                     time_s=sum(c.time_s for c in costs) + len(costs) * net.overhead_s,
                      tier_bytes=by_tier if len(by_tier) > 1 else None)
 
 

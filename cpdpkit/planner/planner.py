@@ -4,8 +4,9 @@
 
 1. **Units.** Every block (a child of a ``ModuleList``/``Sequential``) is a unit; neighbouring
    blocks of one container merge while the merged unit is below ``min_unit_bytes`` (default: the
-   size where a collective's latency term equals its bandwidth term, ``p·α·bandwidth`` on the
-   shard tier), so small layers do not pay one latency each. Blocks are never split.
+   size where a collective's fixed cost equals its bandwidth term, ``p·(α + o/(p-1))·bandwidth``
+   on the shard tier, ``o`` its ``collective_overhead_s``), so small layers do not pay one latency
+   and one launch each. Blocks are never split.
 2. **Mesh.** The shard axis is a node (HSDP over the fast intra-node tier), a site, or the
    whole world (FSDP); the replicate axis takes the rest. ``reshard_after_forward`` is
    ``True``, ``False`` (no backward all-gather, more memory) or, for world sharding, the node
@@ -299,10 +300,14 @@ def _overlapped_s(topo: Topology, config: PlannerConfig, cand: Candidate, units:
 
 
 def _auto_min_unit_bytes(topo: Topology, shard_size: int) -> int:
+    """The unit size where a shard-axis collective's fixed cost equals its bandwidth term:
+    ``p·(α + o/(p-1))·B`` (``o`` the tier's ``collective_overhead_s``; ``p·α·B`` without it), since an
+    all-gather of ``n`` bytes costs ``(p-1)α + o`` fixed and ``(p-1)/p·n/B`` for the bytes."""
     tier = topo.tier_of(range(shard_size))
     if tier is None:
         return 1
-    return max(1, int(shard_size * tier.latency_s * tier.bandwidth_bytes_per_s))
+    fixed_per_step = tier.latency_s + tier.collective_overhead_s / max(1, shard_size - 1)
+    return max(1, int(shard_size * fixed_per_step * tier.bandwidth_bytes_per_s))
 
 
 def _mesh(topo: Topology, shard_size: int) -> MeshPlan:

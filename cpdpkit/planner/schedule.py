@@ -26,9 +26,10 @@ forward. This module decides, per unit, when its exchange runs on the slow link.
   parameter's gradient hook, once its in-node reduce-scatter is done: a layer later, not modeled).
 * The next forward runs units in plan order; unit ``u``'s *deadline* is the time its forward
   starts when nothing waits: ``B`` + the forward times of the units before it.
-* Each all-gather's duration is the α-β time of the replicate group's tier
-  (:meth:`cpdpkit.topology.Topology.group`, the same numbers as the plan's
-  ``parameter all-gather`` phase and the emulator). One link, one transfer at a time.
+* Each all-gather's duration is the α-β time of the replicate group's tier plus the tier's fixed
+  ``collective_overhead_s`` (:meth:`cpdpkit.network.NetworkGroup.planned_s`, the same numbers as
+  the plan's ``parameter all-gather`` phase; the emulator delays by the α-β part, the real
+  collective under it pays the fixed part). One link, one transfer at a time.
 
 **Algorithm: non-preemptive earliest-deadline-first with release times, backfilled into the
 gaps between reduce-scatters.** Whenever the link is free, among exchanges already released
@@ -283,7 +284,7 @@ def plan_two_stage(plan: ShardingPlan, topology: Topology | None = None,
         extra = sorted(set(by_name) - {u.name for u in plan.units})
         raise PlannerError(f"timings must name every unit of the plan exactly once; missing {missing[:3]}, "
                          f"unknown {extra[:3]} (unit names: {[u.name for u in plan.units][:3]}...)")
-    norm_s = topo.group(range(plan.world_size)).time_s("all_reduce", _NORM_BYTES) if clip else 0.0
+    norm_s = topo.group(range(plan.world_size)).planned_s("all_reduce", _NORM_BYTES) if clip else 0.0
     return exchange_schedule(plan.units, [by_name[u.name] for u in plan.units], topo, plan.config,
                              plan.mesh.shard_size, update_s=update_s, clip=clip, norm_s=norm_s)
 
@@ -292,7 +293,8 @@ def exchange_schedule(units: Sequence[Any], timings: Sequence[UnitTiming], topo:
                       shard_size: int, *, update_s: float = 0.0, clip: bool = False, norm_s: float = 0.0,
                       at_points: bool = True) -> TwoStageSchedule:
     """The schedule of ``units`` (plan order, each with ``padded_numel``) as their executor runs it: the
-    replicate group's α-β times of each unit's ``ceil(padded_numel / shard_size)`` elements, exchanges
+    replicate group's α-β times (plus its tier's ``collective_overhead_s``) of each unit's
+    ``ceil(padded_numel / shard_size)`` elements, exchanges
     launched at gradient-ready points (``at_points``). The planner scores unit sizes with it before a
     plan exists; :func:`plan_two_stage` for a plan."""
     net = topo.group(range(0, topo.world_size, shard_size))
@@ -300,7 +302,7 @@ def exchange_schedule(units: Sequence[Any], timings: Sequence[UnitTiming], topo:
     chunks = [ceil_div(u.padded_numel, shard_size) for u in units]
     pb, gb = config.param_bytes, config.grad_bytes
     return schedule_two_stage(
-        timings, reduce_scatter_s=[net.time_s("reduce_scatter", c * gb) for c in chunks],
-        all_gather_s=[net.time_s("all_gather", c * pb) for c in chunks],
+        timings, reduce_scatter_s=[net.planned_s("reduce_scatter", c * gb) for c in chunks],
+        all_gather_s=[net.planned_s("all_gather", c * pb) for c in chunks],
         num_bytes=[c * pb for c in chunks], tier=net.tier.name if net.tier else None, update_s=update_s,
         clip=clip, norm_s=norm_s, at_points=at_points)
