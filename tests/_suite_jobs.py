@@ -105,16 +105,8 @@ def _job_phase(rank: int, ranks: int, out: str, worker: str, spec: dict[str, Any
     (run_dir / "topology.toml").write_text(topology_toml, encoding="utf-8")
     env = {TOPOLOGY_ENV: str(run_dir / "topology.toml"), "RANK": str(rank), "LOCAL_RANK": str(rank),
            "WORLD_SIZE": str(ranks)}
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    try:
+    with mock.patch.dict(os.environ, env):  # restored afterwards, as the process had them
         init_distributed(init_method=f"file://{out}/store", rank=rank, world_size=ranks)
         importlib.import_module(worker).main([str(run_dir)])  # its finish_rank destroys the group
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
     result = json.loads((run_dir / RESULT_FILE).read_text()) if rank == 0 else None
     torch.save((result, time.perf_counter() - start), Path(out, f"rank{rank}.pt"))
