@@ -1,9 +1,9 @@
-"""PartialShardExecutor (replicated parameters; gradients and optimizer state sharded over all ranks,
-one world-group reduce-scatter and all-gather per unit) vs plain data parallelism (gradients all-reduced with mean, the whole optimizer) on 4 gloo
-ranks (2 nodes x 2): SGD+momentum and AdamW, stage 1 during backward bit-identical to updating in
-step(), exact clipping, gradient accumulation, a quarter of the optimizer state per rank, every
-collective labelled, a checkpoint round trip; over the emulated backend no more wire bytes per tier
-than a ring all-reduce of the model, stage-1 evidence and calibration; the one-line refusals."""
+"""PartialShardExecutor (replicated parameters; gradients and optimizer state sharded over all ranks, one
+world-group reduce-scatter and all-gather per unit) vs plain data parallelism (gradients all-reduced with
+mean, the whole optimizer) on 4 gloo ranks (2 nodes x 2): SGD+momentum and AdamW, stage 1 during backward
+bit-identical to updating in step(), exact clipping, gradient accumulation, a quarter of the optimizer state
+per rank, every collective labelled, a checkpoint round trip; over the emulated backend no more wire bytes per
+tier than a ring all-reduce of the model, stage-1 evidence and calibration; the one-line refusals."""
 
 from __future__ import annotations
 
