@@ -16,11 +16,13 @@ planner and the emulator use) and replays the rank's timeline.
   its group's ranks where the trace tells them:
 
   - ``cpdpkit::emu::<op>[bytes=..,ranks=..,modeled_us=..]`` labels (emulated runs), paired in
-    order, per kind, with the backend ops (``gloo:*``) that moved the real data, when both have
-    the same count: ``L`` = the earlier of the op's start and ``label end − modeled_us`` (the
-    modeled link start); the real data movement ends at the op's end ``R``; ``M = max(label
-    end, R)`` (the emulator completes a collective when both are done). Bytes and ranks from
-    the label;
+    order, per kind, with the backend ops (``gloo:*``) that moved the real data: all of the
+    kind's ops when both have the same count, else those of the worker threads that hold one
+    op per label, each starting after its label's call site (the emulator's arrival exchange is
+    one more all-reduce per collective, on a side group's own threads: :func:`_data_ops`):
+    ``L`` = the earlier of the op's start and ``label end − modeled_us`` (the modeled link
+    start); the real data movement ends at the op's end ``R``; ``M = max(label end, R)`` (the
+    emulator completes a collective when both are done). Bytes and ranks from the label;
   - otherwise backend ops (``gloo:*``) on CPU traces and NCCL kernels on GPU traces: ``L`` and
     ``M`` are the event's start and end; bytes from the kernel's ``In msg nelems`` × the size of
     its ``dtype`` (``Out msg nelems`` for all-gather) and ranks from ``Process Group Ranks``
@@ -38,11 +40,11 @@ aligns them). Per rank, ``δ`` = predicted minus measured time so far (0 at its 
   emulator) and lasts ``D' = time_s(kind, bytes)``;
 * its predicted completion ``M'`` is the later of that link end and, when the collective is
   matched across ranks (the k-th collective of the same group on each rank, same kind), the
-  group's synchronisation: with a measured real data movement (``R``, emulated runs)
+  group's synchronisation: ``last L' + D'`` (the link starts when the last rank arrives, as in
+  the emulator) and, with a measured real data movement (``R``, emulated runs),
   ``R + (last L' − last L)`` (it ends as long after the last rank's arrival as measured, the
-  arrivals on the common clock), else (NCCL) ``last L' + D'``. An unmatched collective with
-  ``R`` uses ``R + δ``; one whose bytes or group are unknown (*unmodeled*) keeps its measured
-  duration, ``M' = M + δ``;
+  arrivals on the common clock). An unmatched collective with ``R`` uses ``R + δ``; one whose
+  bytes or group are unknown (*unmodeled*) keeps its measured duration, ``M' = M + δ``;
 * a gap ``[g0, g1]`` starts at ``g0 + δ``; it ends at the latest of: its start (a gap with a
   waited collective may shrink to nothing) or its start plus its measured length (a gap with
   none: issuing, idling); ``M' + (g1 − M)`` for each collective waited there (the time from
@@ -115,6 +117,8 @@ WAIT_SLACK_US = 100.0
 MIN_SAMPLES = 2
 # the compute slowdown is kept within this range (a few odd samples must not scale all compute)
 SLOWDOWN_RANGE = (0.5, 4.0)
+# the data ops of emulated collectives are searched among at most this many backend threads
+MAX_BACKEND_THREADS = 12
 
 
 @record(eq=False)
@@ -209,12 +213,52 @@ def _pairs(trace: RankTrace, labels: list, role: str) -> dict[int, int]:
     return pairs
 
 
+def _data_ops(trace: RankTrace, labels: list, calls: dict[int, int]) -> dict[int, int]:
+    """Label index -> the backend op that moved its data, also where the trace holds more backend
+    ops of the kind than labels: the emulator's arrival exchange (an all-reduce of issue times on
+    a side gloo group, issued just before the data op) is one per collective. gloo runs a group's
+    ops on that group's own worker threads in issue order, so the data ops are the ops of a set of
+    threads with one op per label whose k-th op starts between the k-th label's call site (the
+    call that issued it) and the next one; of the sets that fit, the one whose ops start latest
+    (the exchange is issued first)."""
+    pairs = _pairs(trace, labels, "backend")
+    rows = _rows_of(trace, "backend")
+    start, tid = trace.start_us, trace.thread_id
+    for kind in {lab.kind for lab in labels}:
+        mine = [i for i, lab in enumerate(labels) if lab.kind == kind]
+        if mine[0] in pairs or not all(i in calls for i in mine):
+            continue
+        theirs = [r for r in rows if (trace.name_classes[trace.name_id[r]].cpu_kind or "other") == kind]
+        count = Counter(tid[r] for r in theirs)
+        threads = sorted(count)
+        if len(theirs) <= len(mine) or len(threads) > MAX_BACKEND_THREADS:
+            continue
+        issued = [start[calls[i]] for i in mine]
+        before = issued[1:] + [math.inf]  # a collective's data op starts before the next call issues another
+        best: list[int] | None = None
+        best_score = -math.inf
+        for mask in range(1, 1 << len(threads)):
+            chosen = [t for b, t in enumerate(threads) if mask >> b & 1]
+            if sum(count[t] for t in chosen) != len(mine):
+                continue
+            ops = [r for r in theirs if tid[r] in chosen]
+            if any(not at <= start[r] < nxt for r, at, nxt in zip(ops, issued, before)):
+                continue
+            score = sum(start[r] for r in ops)
+            if score > best_score:
+                best, best_score = ops, score
+        if best is not None:
+            pairs.update(zip(mine, best))
+    return pairs
+
+
 def _emu_collectives(trace: RankTrace) -> list[tuple[float, float, float, str, int, tuple[int, ...] | None]]:
     rows = _rows_of(trace, "emu")
     labels = [parse_emu_label(trace.names[trace.name_id[r]]) for r in rows]
     keep = [i for i, lab in enumerate(labels) if lab is not None]
     rows, labels = [rows[i] for i in keep], [labels[i] for i in keep]  # type: ignore[misc]
-    ops, calls = _pairs(trace, labels, "backend"), _pairs(trace, labels, "callsite")
+    calls = _pairs(trace, labels, "callsite")
+    ops = _data_ops(trace, labels, calls)
     out = []
     for i, (row, lab) in enumerate(zip(rows, labels)):
         start, end = trace.start_us[row], trace.end_us[row]
@@ -460,9 +504,11 @@ class _Replay:
             return tl.done_us[c] + own_shift
         done, real = self.link_end[t][c], tl.real_end_us[c]
         last = self._last_arrival_shift(t, c)
+        if last is not None:  # the link starts when the group's last rank arrives (as in the emulator)
+            done = max(done, last[1] + d)
         if not math.isnan(real):  # the real data movement: after the last rank arrives, as long as measured
             return max(done, real + (last[0] if last is not None else own_shift))
-        return max(done, last[1] + d) if last is not None else done
+        return done
 
     def _inflight(self, t: int, start: float) -> tuple[list[float], list[float]]:
         """Rank ``t``'s predicted in-flight intervals ``[L', M']`` that end after ``start``, merged."""
