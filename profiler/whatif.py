@@ -21,8 +21,11 @@ planner and the emulator use) and replays the rank's timeline.
     op per label, each starting after its label's call site (the emulator's arrival exchange is
     one more all-reduce per collective, on a side group's own threads: :func:`_data_ops`):
     ``L`` = the earlier of the op's start and ``label end − modeled_us`` (the modeled link
-    start); the real data movement ends at the op's end ``R``; ``M = max(label end, R)`` (the
-    emulator completes a collective when both are done). Bytes and ranks from the label;
+    start); the real data movement ends at the op's end ``R``; ``M = max(L + modeled_us, R)``
+    (the emulator completes a collective when both are done), and for a collective matched
+    across ranks at least the group's last ``L`` + ``modeled_us`` (the emulator starts the link
+    when the last member arrives: an early rank's wait is the peer, :func:`_synchronised`).
+    Bytes and ranks from the label;
   - otherwise backend ops (``gloo:*``) on CPU traces and NCCL kernels on GPU traces: ``L`` and
     ``M`` are the event's start and end; bytes from the kernel's ``In msg nelems`` × the size of
     its ``dtype`` (``Out msg nelems`` for all-gather) and ranks from ``Process Group Ranks``
@@ -149,8 +152,12 @@ class RankTimeline:
     # its length and the part of it under communication (µs)
     seg_us: tuple[float, ...] = ()
     seg_under_us: tuple[float, ...] = ()
+    # per collective: its modeled link time as the emulator's label gave it (NaN: none)
+    modeled_us: tuple[float, ...] = ()
 
 
+# (launch L, completion M, real data movement's end R, kind, bytes, ranks, modeled link time)
+_Collective = tuple[float, float, float, str, int, "tuple[int, ...] | None", float]
 _Windows = tuple[list[tuple[float, float]], list[tuple[float, float, bool]]]
 
 
@@ -252,7 +259,7 @@ def _data_ops(trace: RankTrace, labels: list, calls: dict[int, int]) -> dict[int
     return pairs
 
 
-def _emu_collectives(trace: RankTrace) -> list[tuple[float, float, float, str, int, tuple[int, ...] | None]]:
+def _emu_collectives(trace: RankTrace) -> list[_Collective]:
     rows = _rows_of(trace, "emu")
     labels = [parse_emu_label(trace.names[trace.name_id[r]]) for r in rows]
     keep = [i for i, lab in enumerate(labels) if lab is not None]
@@ -272,11 +279,11 @@ def _emu_collectives(trace: RankTrace) -> list[tuple[float, float, float, str, i
         link_end = launch + modeled if modeled is not None else end
         done = max(link_end, real) if not math.isnan(real) else link_end
         nbytes = lab.num_bytes if lab.num_bytes is not None else -1
-        out.append((launch, done, real, lab.kind, nbytes, lab.ranks))
+        out.append((launch, done, real, lab.kind, nbytes, lab.ranks, modeled if modeled is not None else math.nan))
     return out
 
 
-def _plain_collectives(trace: RankTrace) -> list[tuple[float, float, float, str, int, tuple[int, ...] | None]]:
+def _plain_collectives(trace: RankTrace) -> list[_Collective]:
     """Backend ops (CPU) or NCCL kernels (GPU), with bytes and ranks when the trace has them."""
     rows = trace.rows_of(gpu_roles={"gpu_comm"})
     gpu = bool(rows)
@@ -289,7 +296,7 @@ def _plain_collectives(trace: RankTrace) -> list[tuple[float, float, float, str,
         sizes = trace.comm_bytes.get(row)  # the model's n: all-gather's output, else the input
         nbytes = -1 if sizes is None else sizes[1] if kind == "all_gather" else sizes[0]
         out.append((trace.start_us[row], trace.end_us[row], math.nan, kind, nbytes,
-                    trace.comm_ranks.get(row)))
+                    trace.comm_ranks.get(row), math.nan))
     return out
 
 
@@ -389,6 +396,7 @@ def rank_timeline(trace: RankTrace, report: RankReport) -> RankTimeline:
         kind=tuple(c[3] for c in colls),
         num_bytes=tuple(c[4] for c in colls),
         ranks=tuple(tuple(c[5]) if c[5] else None for c in colls),
+        modeled_us=tuple(c[6] for c in colls),
         **_clock(trace),
         slowdown=slowdown,
         seg_us=seg,
@@ -409,12 +417,12 @@ def _durations_us(tl: RankTimeline, topology: Topology, world_size: int) -> list
     return out
 
 
-def _wait_points(tl: RankTimeline) -> tuple[list[int], list[bool]]:
+def _wait_points(tl: RankTimeline, done_us: Sequence[float]) -> tuple[list[int], list[bool]]:
     """Each collective's gap (-1: none) and whether it was waited there."""
     g0, g1 = tl.gap_start_us, tl.gap_end_us
     gaps: list[int] = []
     waited: list[bool] = []
-    for launch, done in zip(tl.launch_us, tl.done_us):
+    for launch, done in zip(tl.launch_us, done_us):
         threshold = done - WAIT_SLACK_US
         g = bisect_right(g1, threshold if threshold >= launch else launch)
         g = g if g < len(g1) else -1
@@ -443,12 +451,29 @@ def _matches(timelines: Sequence[RankTimeline]) -> dict[tuple[int, int], list[tu
     return out
 
 
+def _synchronised(timelines: Sequence[RankTimeline], t: int,
+                  peers: dict[tuple[int, int], list[tuple[int, int]]]) -> list[float]:
+    """Rank ``t``'s measured completions ``M``, each emulated collective matched across ranks
+    at least at the group's last arrival plus its modeled link time: the emulator starts the
+    link when the last member arrives, so an early rank's collective completed that much later
+    than its own launch plus the link time (the rest of its wait is the peer, not resuming)."""
+    tl = timelines[t]
+    done = list(tl.done_us)
+    for c, modeled in enumerate(tl.modeled_us):
+        members = peers.get((t, c))
+        if members is not None and not math.isnan(modeled):
+            last = max(timelines[q].clock_us + timelines[q].launch_us[k] for q, k in members) - tl.clock_us
+            done[c] = max(done[c], last + modeled)
+    return done
+
+
 class _Replay:
     """The joint replay of a run's ranks (module docstring); ``change[t]`` per gap of rank ``t``."""
 
     def __init__(self, timelines: Sequence[RankTimeline], durations: Sequence[Sequence[float]]) -> None:
         self.tl, self.dur = timelines, durations
         self.peers = _matches(timelines)
+        self.done = [_synchronised(timelines, t, self.peers) for t in range(len(timelines))]
         self.delta = [0.0] * len(timelines)
         self.launch_new = [[math.nan] * len(tl.launch_us) for tl in timelines]
         self.link_end = [[math.nan] * len(tl.launch_us) for tl in timelines]
@@ -460,7 +485,7 @@ class _Replay:
     def run(self) -> list[list[float]]:
         events, plans = [], []
         for t, tl in enumerate(self.tl):
-            gap, waited = _wait_points(tl)
+            gap, waited = _wait_points(tl, self.done[t])
             due: dict[int, list[int]] = {}
             for c, g in enumerate(gap):
                 if g >= 0:
@@ -501,7 +526,7 @@ class _Replay:
         tl, d = self.tl[t], self.dur[t][c]
         own_shift = self.launch_new[t][c] - tl.launch_us[c]
         if math.isnan(d):
-            return tl.done_us[c] + own_shift
+            return self.done[t][c] + own_shift
         done, real = self.link_end[t][c], tl.real_end_us[c]
         last = self._last_arrival_shift(t, c)
         if last is not None:  # the link starts when the group's last rank arrives (as in the emulator)
@@ -553,7 +578,7 @@ class _Replay:
         end = x0 if any(waited[c] for c in mine) else x0 + (g1 - g0)
         for c in mine:
             done = self._done(t, c)
-            end = max(end, done + (g1 - tl.done_us[c]) if waited[c] else max(x0, done) + (g1 - g0))
+            end = max(end, done + (g1 - self.done[t][c]) if waited[c] else max(x0, done) + (g1 - g0))
         self.change[t][g] = (end - x0) - (g1 - g0)
         self.delta[t] = end - g1
 

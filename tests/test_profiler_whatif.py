@@ -188,9 +188,11 @@ def test_topology_that_cannot_be_placed_is_an_error_entry(tmp_path: Path) -> Non
 
 
 def test_ranks_wait_for_the_predicted_last_arrival(tmp_path: Path) -> None:
-    """Rank 1 issues at +100, rank 0 at +300; the real data movement (gloo op) ends at +400 on both,
-    the 1000 us link time at issue + 1000; each rank resumes 10 us after its completion. On a fast
-    network rank 1 waits for rank 0's *predicted* arrival (skew re-derived, ranks stay in step)."""
+    """Rank 1 issues at +100, rank 0 at +300; as in the emulator, the 1000 us link starts at the
+    last arrival on both (300-1300), the real data movement (gloo op) ends at +400 on both, and
+    each rank resumes 10 us after the completion (1310). On a fast network rank 1 waits for rank
+    0's *predicted* arrival (skew re-derived, ranks stay in step), and its measured wait past its
+    own issue + 1000 us is the peer, not resuming."""
     nbytes = 1000
     label = emu_label("all_reduce", num_bytes=nbytes, tier="LAN", ranks="0-1", modeled_s=MODELED_US / 1e6)
     issue = {0: 300.0, 1: 100.0}
@@ -200,9 +202,9 @@ def test_ranks_wait_for_the_predicted_last_arrival(tmp_path: Path) -> None:
         for k in range(2):
             t, a = k * STEP_US, issue[rank]
             out += [step(k, t, STEP_US), cpu_op("aten::mm", t, a), cpu_op("c10d::allreduce_", t + a, 10),
-                    annotation(label, t + a, MODELED_US, tid=GLOO + 1),
+                    annotation(label, t + 300, MODELED_US, tid=GLOO + 1),
                     annotation("gloo:all_reduce", t + a, 400 - a, tid=GLOO),
-                    cpu_op("aten::add", t + a + 1010, STEP_US - a - 1010)]
+                    cpu_op("aten::add", t + 1310, STEP_US - 1310)]
         return out
 
     folder = tmp_path / "skew"
@@ -211,7 +213,8 @@ def test_ranks_wait_for_the_predicted_last_arrival(tmp_path: Path) -> None:
     run = analyze([folder], what_if="lan").runs[0]
     d = preset("lan", world_size=2).group((0, 1)).time_s("all_reduce", nbytes) * 1e6
     # the replay by hand: per step, both ranks launch at L' = t + issue + delta; completion
-    # max(the last L' + d, real end + shift of the last arrival); resume 10 us later
+    # max(the last L' + d, real end + shift of the last arrival); resume 10 us later; each
+    # rank's gap (issue + 10 to 1310) changes by its new length minus the measured one
     delta, change = {0: 0.0, 1: 0.0}, {0: [], 1: []}
     for k in range(2):
         t = k * STEP_US
@@ -219,9 +222,9 @@ def test_ranks_wait_for_the_predicted_last_arrival(tmp_path: Path) -> None:
         shift = max(launch_new.values()) - (t + 300)
         for r in (0, 1):
             end = max(max(launch_new.values()) + d, t + 400 + shift) + 10
-            change[r].append((end - launch_new[r]) - 1010)
-            delta[r] = end - (t + issue[r] + 1010)
-    assert change[1][1] == pytest.approx(change[0][1])  # in step again after one reconciliation
+            change[r].append((end - (launch_new[r] + 10)) - (1300 - issue[r]))
+            delta[r] = end - (t + 1310)
+    assert change[1][1] == pytest.approx(change[0][1])  # both resume together, as measured
     step_time = sum(STEP_US + sum(change[r]) / 2 for r in (0, 1)) / 2
     exposed = run.summary.per_step["exposed_us"] + sum(sum(change[r]) / 2 for r in (0, 1)) / 2
     assert run.what_if.step_time_us == pytest.approx(step_time)
