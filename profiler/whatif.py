@@ -79,7 +79,9 @@ exposed time plus the change of its gaps (at least 0): a wait that grows is all 
 **Approximated.** Skew between ranks is re-derived, not kept: a rank waits for the *predicted*
 arrival of the last rank of its group, so ranks stay in step. What a collective takes after the
 last arrival beyond its link time (the real data movement of an emulated run, issuing, waking
-up) is kept as measured. A peer's launch not yet replayed when it is needed (clocks a few µs
+up) is kept as measured, though on shared cores the real data movement depends on what else
+runs meanwhile (the bench's 642 kB all-reduce: 1–10 ms on lan, 1–4 ms on wan, whose ranks sleep
+through the link). A peer's launch not yet replayed when it is needed (clocks a few µs
 apart) is taken at its current shift. The emulator's jitter is not drawn (``time_s`` is the mean
 time). A hidden collective that the new network makes late waits at the next gap after its
 measured completion, even if the program would have waited for it later. Compute's dependence
