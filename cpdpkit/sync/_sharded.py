@@ -14,8 +14,9 @@ index). Everything the optimizer sends crosses only that group, and only this ra
   backward. On other steps nothing crosses the replicate group. With a ``compression`` codec, ``cpdp``'s
   synchronous step sends codes instead (one codec per tier: FSDP2's reduce-scatter inside the site stays
   as it is, only the cross-site exchange is encoded): the unit's gradient shard plus its residual (shard-
-  sized, one per unit) is encoded, every rank's code all-gathered over the replicate group and decoded in
-  rank order into the reduce-scatter output, waited for inside the hook.
+  sized, one per unit) is encoded in the hook, every rank's code all-gathered over the replicate group and,
+  under the same proof, waited for and decoded in rank order into the reduce-scatter output in ``step()``
+  (before the proof, inside the hook), so the codes cross the WAN under the rest of backward too.
 * **Parameters and SlowMo** (:class:`ShardedParameters`): a reconciliation packs this rank's local
   shards into one buffer per dtype, averages it over the replicate group, runs SlowMo on it and
   unpacks it. SlowMo's anchor and slow momentum are shard-sized: +2 × this rank's parameter shard
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -191,8 +193,8 @@ class ShardGradientSync:
 
     ``target()`` returns the communicator of the coming step's gradient sync, or ``None`` on a step
     that does not synchronise gradients; ``compressed()`` (with a ``compression``) whether it sends codes.
-    :meth:`finish` (from ``step()``) waits for what was launched. :meth:`state` and :meth:`load` are the
-    compressed exchange's residuals, one per FSDP2 unit (None for a unit that has not sent yet).
+    :meth:`finish` (from ``step()``) waits for what was launched and decodes the codes. :meth:`state` and
+    :meth:`load` are the compressed exchange's residuals, one per FSDP2 unit (None for a unit that has not sent yet).
     """
 
     def __init__(self, model: nn.Module, *, target: Callable[[], Communicator | None], compression: str = "none",
@@ -201,7 +203,8 @@ class ShardGradientSync:
 
         self._target, self._compression, self._compressed = target, compression, compressed
         self._feedback: dict[int, ErrorFeedback] = {}  # per unit, created at its first compressed exchange
-        self._pending: list[tuple[Communicator, Any]] = []
+        self._pending: list[_Exchange] = []
+        self.defer = True  # False: every exchange waits inside the hook, as before the proof (a test's reference)
         self._checks: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
         self._async_ok = False  # set once a step proved FSDP2's gradients are views of the hook's tensor
         claimed: set[int] = set()
@@ -225,38 +228,43 @@ class ShardGradientSync:
         if comm is None:
             return
         if self._compression != "none" and self._compressed is not None and self._compressed():
-            self._exchange_codes(comm, unit, reduce_output)
-            return
-        with record_function(SYNC.GRAD_ALLREDUCE.label):
-            if reduce_output.dtype in _AVG_DTYPES:
-                work = comm.all_reduce_avg_async(reduce_output)
-            else:  # FSDP2 pre/post-divides such dtypes itself; the replicate mean by dividing first
-                reduce_output.div_(comm.size)
-                work = comm.all_reduce_sum_async(reduce_output)
-        deferred = self._async_ok and reduce_output.dtype == own[0].dtype and all(p.grad is None for p in own)
-        if deferred:
-            self._pending.append((comm, work))
+            exchange = self._launch_codes(comm, unit, reduce_output)
+        else:
+            exchange = _Exchange(comm, self._launch_mean(comm, reduce_output))
+        if self.defer and self._async_ok and reduce_output.dtype == own[0].dtype and all(p.grad is None for p in own):
+            self._pending.append(exchange)  # waited (and decoded) in step(): it overlaps the rest of backward
             return
         with comm.blocking(SYNC.GRAD_WAIT):
-            comm.wait(work)
+            comm.wait(exchange.work)
+        exchange.complete()
         if not self._async_ok:
             self._checks.append((reduce_output, own))
 
-    def _exchange_codes(self, comm: Communicator, unit: int, reduce_output: torch.Tensor) -> None:
-        """``reduce_output`` ← the mean of every replica's decoded code of (it + this unit's residual)."""
+    @staticmethod
+    def _launch_mean(comm: Communicator, reduce_output: torch.Tensor) -> Any:
+        """The replicate group's mean of ``reduce_output``, in place, launched."""
+        with record_function(SYNC.GRAD_ALLREDUCE.label):
+            if reduce_output.dtype in _AVG_DTYPES:
+                return comm.all_reduce_avg_async(reduce_output)
+            # FSDP2 pre/post-divides such dtypes itself; the replicate mean by dividing first
+            reduce_output.div_(comm.size)
+            return comm.all_reduce_sum_async(reduce_output)
+
+    def _launch_codes(self, comm: Communicator, unit: int, reduce_output: torch.Tensor) -> _Exchange:
+        """Launch the all-gather of every replica's code of (``reduce_output`` + this unit's residual); completing
+        the exchange writes the mean of the decoded codes (rank order) into ``reduce_output``."""
         feedback = self._feedback.get(unit)
         if feedback is None:
             feedback = self._feedback[unit] = ErrorFeedback(self._compression, [reduce_output.numel()])
         elif feedback.codecs[0].numel != reduce_output.numel():
             raise ConfigError(f"FSDP2 unit {unit}'s gradient shard has {reduce_output.numel()} elements, its "
                               f"residual {feedback.codecs[0].numel}: load a checkpoint saved with the same sharding")
-        code = feedback.encode_one(0, reduce_output)
+        code = feedback.encode_one(0, reduce_output)  # the residual keeps what the code lost, now
         gathered = torch.empty(comm.size * code.numel(), dtype=torch.uint8)
         with record_function(SYNC.GRAD_ALLREDUCE.label):
             work = comm.all_gather_async(gathered, code)
-        with comm.blocking(SYNC.GRAD_WAIT):
-            comm.wait(work)
-        reduce_output.copy_(feedback.mean_one(0, gathered, comm.size).view_as(reduce_output))
+        return _Exchange(comm, work, lambda: reduce_output.copy_(
+            feedback.mean_one(0, gathered, comm.size).view_as(reduce_output)))
 
     def state(self) -> list[torch.Tensor | None]:
         return [self._feedback[u].residuals[0].clone() if u in self._feedback else None
@@ -269,14 +277,31 @@ class ShardGradientSync:
                 feedback = self._feedback[unit] = ErrorFeedback(self._compression, [residual.numel()])
                 feedback.load([residual])
 
+    @torch.no_grad()
     def finish(self) -> None:
-        """Wait for the launched all-reduces; after the first synced step, check the gradients alias them."""
+        """Wait for the launched exchanges and decode the compressed ones into their reduce-scatter outputs; after
+        the first synced step, check that the gradients alias those outputs (the proof that deferring is exact)."""
         pending, self._pending = self._pending, []
-        for comm, work in pending:
-            with comm.blocking(SYNC.GRAD_WAIT):
-                comm.wait(work)
+        for exchange in pending:
+            with exchange.comm.blocking(SYNC.GRAD_WAIT):
+                exchange.comm.wait(exchange.work)
+        for exchange in pending:  # local work: the decodes, after every wait
+            exchange.complete()
         if self._checks:
             checks, self._checks = self._checks, []
             self._async_ok = all(
                 p.grad is not None and _local(p.grad).untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
                 for out, own in checks for p in own)
+
+
+@dataclass
+class _Exchange:
+    """One unit's launched cross-replica exchange: its Work, and what completes it once waited (a decode)."""
+
+    comm: Communicator
+    work: Any
+    decode: Callable[[], Any] | None = None
+
+    def complete(self) -> None:
+        if self.decode is not None:
+            self.decode()
