@@ -2,10 +2,11 @@
 
 Without ``fragments`` there is one part, the whole model; with ``fragments=F`` (:mod:`cpdpkit.sync._fragments`)
 there are F, each with its own :class:`~cpdpkit.sync._reconcile.Reconciler` (schedule, staggered by
-:func:`fragment_offset`), gradient buckets and compressed-gradient residuals; :meth:`Parts.build` makes them. :class:`Parts` answers, per part,
-the schedule questions the optimizer's step asks (does step ``n`` all-reduce this part's gradients, does it end
-with this part's average), and holds the checkpoint's per-fragment layout (the one part's state at the top level,
-or each fragment's in ``"fragments"``). It also names the values a replica check compares (:func:`named_values`).
+:func:`fragment_offset`), gradient buckets and compressed-gradient residuals; :meth:`Parts.build` makes them.
+:class:`Parts` answers, per part, the schedule questions the optimizer's step asks (does step ``n`` all-reduce
+this part's gradients, does it end with this part's average), and holds the checkpoint's per-fragment layout
+(the one part's state at the top level, or each fragment's in ``"fragments"``). It also names the values a
+replica check compares (:func:`named_values`).
 """
 
 from __future__ import annotations

@@ -44,6 +44,7 @@ from torch.profiler import record_function
 
 from cpdpkit.errors import ConfigError
 from cpdpkit.labels import SYNC
+from cpdpkit.sync._code_exchange import CHUNKED_FROM, ChunkedFeedback
 from cpdpkit.sync._codec import ErrorFeedback
 from cpdpkit.sync._comm import Communicator, group_ranks
 from cpdpkit.sync._flat import SegmentedParameters, build_segments
@@ -198,11 +199,12 @@ class ShardGradientSync:
     """
 
     def __init__(self, model: nn.Module, *, target: Callable[[], Communicator | None], compression: str = "none",
-                 compressed: Callable[[], bool] | None = None) -> None:
+                 compressed: Callable[[], bool] | None = None, replicas: int = 1) -> None:
         from torch.distributed.fsdp import FSDPModule
 
         self._target, self._compression, self._compressed = target, compression, compressed
-        self._feedback: dict[int, ErrorFeedback] = {}  # per unit, created at its first compressed exchange
+        self._replicas = replicas  # from CHUNKED_FROM replicas on, the codes are reduce-scattered (_code_exchange)
+        self._feedback: dict[int, ErrorFeedback | ChunkedFeedback] = {}  # per unit, made at its first exchange
         self._pending: list[_Exchange] = []
         self.defer = True  # False: every exchange waits inside the hook, as before the proof (a test's reference)
         self._checks: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
@@ -234,9 +236,10 @@ class ShardGradientSync:
         if self.defer and self._async_ok and reduce_output.dtype == own[0].dtype and all(p.grad is None for p in own):
             self._pending.append(exchange)  # waited (and decoded) in step(): it overlaps the rest of backward
             return
-        with comm.blocking(SYNC.GRAD_WAIT):
-            comm.wait(exchange.work)
-        exchange.complete()
+        while exchange is not None:
+            with comm.blocking(SYNC.GRAD_WAIT):
+                comm.wait(exchange.work)
+            exchange = exchange.complete()
         if not self._async_ok:
             self._checks.append((reduce_output, own))
 
@@ -251,42 +254,82 @@ class ShardGradientSync:
             return comm.all_reduce_sum_async(reduce_output)
 
     def _launch_codes(self, comm: Communicator, unit: int, reduce_output: torch.Tensor) -> _Exchange:
-        """Launch the all-gather of every replica's code of (``reduce_output`` + this unit's residual); completing
-        the exchange writes the mean of the decoded codes (rank order) into ``reduce_output``."""
+        """Launch the exchange of every replica's code of (``reduce_output`` + this unit's residual); completing
+        it writes the mean of the decoded codes (rank order) into ``reduce_output``."""
+        numel = reduce_output.numel()
         feedback = self._feedback.get(unit)
         if feedback is None:
-            feedback = self._feedback[unit] = ErrorFeedback(self._compression, [reduce_output.numel()])
-        elif feedback.codecs[0].numel != reduce_output.numel():
-            raise ConfigError(f"FSDP2 unit {unit}'s gradient shard has {reduce_output.numel()} elements, its "
-                              f"residual {feedback.codecs[0].numel}: load a checkpoint saved with the same sharding")
+            feedback = self._feedback[unit] = self._new_feedback(numel)
+        elif _numel(feedback) != numel:
+            raise ConfigError(f"FSDP2 unit {unit}'s gradient shard has {numel} elements, its residual "
+                              f"{_numel(feedback)}: load a checkpoint saved with the same sharding")
+        if isinstance(feedback, ChunkedFeedback):
+            return self._launch_chunks(comm, feedback, reduce_output)
         code = feedback.encode_one(0, reduce_output)  # the residual keeps what the code lost, now
         gathered = torch.empty(comm.size * code.numel(), dtype=torch.uint8)
         with record_function(SYNC.GRAD_ALLREDUCE.label):
             work = comm.all_gather_async(gathered, code)
-        return _Exchange(comm, work, lambda: reduce_output.copy_(
-            feedback.mean_one(0, gathered, comm.size).view_as(reduce_output)))
+
+        def decode() -> None:
+            reduce_output.copy_(feedback.mean_one(0, gathered, comm.size).view_as(reduce_output))
+        return _Exchange(comm, work, decode)
+
+    def _new_feedback(self, numel: int) -> ErrorFeedback | ChunkedFeedback:
+        if self._replicas >= CHUNKED_FROM:
+            return ChunkedFeedback(self._compression, numel, self._replicas)
+        return ErrorFeedback(self._compression, [numel])
+
+    @staticmethod
+    def _launch_chunks(comm: Communicator, feedback: ChunkedFeedback, reduce_output: torch.Tensor) -> _Exchange:
+        """The reduce-scatter of codes: the all-to-all of chunk codes now, then (once waited) the chunk mean's
+        re-encoding and the all-gather of every rank's chunk-mean code (:mod:`cpdpkit.sync._code_exchange`)."""
+        send = feedback.encode(reduce_output)
+        received = torch.empty_like(send)
+        with record_function(SYNC.GRAD_ALLREDUCE.label):
+            first = comm.all_to_all_async(received, send)
+
+        def gather() -> _Exchange:
+            code = feedback.reencode(received)
+            gathered = torch.empty(comm.size * code.numel(), dtype=torch.uint8)
+            with record_function(SYNC.GRAD_ALLREDUCE.label):
+                work = comm.all_gather_async(gathered, code)
+
+            def decode() -> None:
+                reduce_output.copy_(feedback.mean(gathered).view_as(reduce_output))
+            return _Exchange(comm, work, decode)
+        return _Exchange(comm, first, gather)
 
     def state(self) -> list[torch.Tensor | None]:
-        return [self._feedback[u].residuals[0].clone() if u in self._feedback else None
-                for u in range(self._num_units)]
+        return [_state(self._feedback[u]) if u in self._feedback else None for u in range(self._num_units)]
 
     def load(self, residuals: list[torch.Tensor | None] | None) -> None:
         self._feedback.clear()
         for unit, residual in enumerate(residuals or ()):
-            if residual is not None:
+            if residual is None:
+                continue
+            if self._replicas < CHUNKED_FROM:
                 feedback = self._feedback[unit] = ErrorFeedback(self._compression, [residual.numel()])
                 feedback.load([residual])
+                continue
+            numel = ChunkedFeedback.numel_of_state(residual.numel(), self._replicas)
+            if numel is None:
+                raise ConfigError(f"checkpoint's gradient residual of FSDP2 unit {unit} has {residual.numel()} "
+                                  f"elements, which fits no shard over {self._replicas} replicas: load a checkpoint "
+                                  "saved with the same model, sharding, number of replicas and compression")
+            self._feedback[unit] = ChunkedFeedback(self._compression, numel, self._replicas)
+            self._feedback[unit].load(residual)
 
     @torch.no_grad()
     def finish(self) -> None:
         """Wait for the launched exchanges and decode the compressed ones into their reduce-scatter outputs; after
         the first synced step, check that the gradients alias those outputs (the proof that deferring is exact)."""
         pending, self._pending = self._pending, []
-        for exchange in pending:
-            with exchange.comm.blocking(SYNC.GRAD_WAIT):
-                exchange.comm.wait(exchange.work)
-        for exchange in pending:  # local work: the decodes, after every wait
-            exchange.complete()
+        while pending:  # one round of exchanges at a time (the reduce-scatter of codes has two)
+            for exchange in pending:
+                with exchange.comm.blocking(SYNC.GRAD_WAIT):
+                    exchange.comm.wait(exchange.work)
+            # local work after every wait: decodes, or a second exchange's encode and launch
+            pending = [then for then in (exchange.complete() for exchange in pending) if then is not None]
         if self._checks:
             checks, self._checks = self._checks, []
             self._async_ok = all(
@@ -296,12 +339,20 @@ class ShardGradientSync:
 
 @dataclass
 class _Exchange:
-    """One unit's launched cross-replica exchange: its Work, and what completes it once waited (a decode)."""
+    """One unit's launched cross-replica exchange: its Work, and what completes it once waited (a decode, or the
+    launch of the next exchange, which :meth:`complete` returns)."""
 
     comm: Communicator
     work: Any
-    decode: Callable[[], Any] | None = None
+    then: Callable[[], _Exchange | None] | None = None
 
-    def complete(self) -> None:
-        if self.decode is not None:
-            self.decode()
+    def complete(self) -> _Exchange | None:
+        return None if self.then is None else self.then()
+
+
+def _numel(feedback: ErrorFeedback | ChunkedFeedback) -> int:
+    return feedback.numel if isinstance(feedback, ChunkedFeedback) else feedback.codecs[0].numel
+
+
+def _state(feedback: ErrorFeedback | ChunkedFeedback) -> torch.Tensor:
+    return feedback.state() if isinstance(feedback, ChunkedFeedback) else feedback.residuals[0].clone()

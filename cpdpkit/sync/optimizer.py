@@ -246,7 +246,8 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         elif self._sharded:
             self._shard_grads = ShardGradientSync(self.model, target=self._gradient_target,
                                                   compression=self._grad_compression,
-                                                  compressed=lambda: self._compresses_gradients(self._parts[0]))
+                                                  compressed=lambda: self._compresses_gradients(self._parts[0]),
+                                                  replicas=self._comm.size)
             if self._grad_compression != "none":
                 self._parts[0].grad_feedback = self._shard_grads
         elif self._ddp is None:
