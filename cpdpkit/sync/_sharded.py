@@ -16,7 +16,9 @@ index). Everything the optimizer sends crosses only that group, and only this ra
   as it is, only the cross-site exchange is encoded): the unit's gradient shard plus its residual (shard-
   sized, one per unit) is encoded in the hook, every rank's code all-gathered over the replicate group and,
   under the same proof, waited for and decoded in rank order into the reduce-scatter output in ``step()``
-  (before the proof, inside the hook), so the codes cross the WAN under the rest of backward too.
+  (before the proof, inside the hook), so the codes cross the WAN under the rest of backward too. From 3
+  replicas the codes are reduce-scattered instead (:mod:`cpdpkit.sync._code_exchange`: an all-to-all of chunk
+  codes, then an all-gather of the re-encoded chunk means), two rounds of exchanges in ``step()``.
 * **Parameters and SlowMo** (:class:`ShardedParameters`): a reconciliation packs this rank's local
   shards into one buffer per dtype, averages it over the replicate group, runs SlowMo on it and
   unpacks it. SlowMo's anchor and slow momentum are shard-sized: +2 × this rank's parameter shard
