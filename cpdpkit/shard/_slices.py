@@ -273,16 +273,9 @@ class SliceExecutor(ExecutorStateMixin):
         """A zeroed reduce-scatter input for ``unit``: its vector goes into the first ``numel`` elements."""
         return torch.zeros(unit.chunk * self._rep_size, dtype=dtype, device=self._device)
 
-    def _grad_ready(self, unit: SliceUnit, send: torch.Tensor, *, clocked: bool = True) -> None:
-        """``unit``'s gradient is ready (its hook): launch its reduce-scatter, then this point's exchanges.
-
-        ``clocked=False``: the caller's own hook clocks the unit's backward and fires the unit's
-        trigger point itself (:meth:`_fire`): the partial executor hands a unit on at the next parameter hook,
-        once its in-node reduce-scatter is done, but the stage-1 exchanges due at a unit's point
-        start at that unit's own hook, as the schedule predicts.
-        """
-        if clocked:
-            self._clock.unit_backward_enter(unit.plan_index, time.perf_counter())
+    def _grad_ready(self, unit: SliceUnit, send: torch.Tensor) -> None:
+        """``unit``'s gradient is ready (its hook): launch its reduce-scatter, then this point's exchanges."""
+        self._clock.unit_backward_enter(unit.plan_index, time.perf_counter())
         self._check_first_backward(unit)
         self._begin_backward()
         recv = send.new_empty(unit.chunk)
@@ -296,9 +289,8 @@ class SliceExecutor(ExecutorStateMixin):
             # rank); a full bucket crosses the sites under the rest of backward.
             self._take_untaken()
             self._untaken.append(unit)
-        if clocked:
-            self._fire(unit.name)
-            self._clock.unit_backward_exit(time.perf_counter())
+        self._fire(unit.name)
+        self._clock.unit_backward_exit(time.perf_counter())
 
     def _check_first_backward(self, unit: SliceUnit) -> None:
         if unit.ready:
