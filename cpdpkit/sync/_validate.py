@@ -23,7 +23,8 @@ from cpdpkit.sync.config import SyncConfig
 from cpdpkit.topology import Topology
 
 __all__ = ["STATE_VERSION", "is_executor", "resolve_config", "validate_objects", "validate_groups",
-           "validate_sharded", "validate_executor", "check_params_in_model", "split_checkpoint"]
+           "validate_sharded", "validate_executor", "check_params_in_model", "split_checkpoint",
+           "check_clip_args"]
 
 # 1: {"inner": <inner state dict>, "cpdpkit": ...}; 2: torch's standard dict plus "cpdpkit";
 # 3: "cpdpkit" also holds the schedule, the controller's decisions and a reconciliation in flight;
