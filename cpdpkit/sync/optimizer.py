@@ -62,6 +62,7 @@ from cpdpkit.sync._sharded import ShardedParameters, ShardGradientSync, as_param
 from cpdpkit.sync._state_policies import sync_buffers
 from cpdpkit.sync._validate import (
     STATE_VERSION,
+    check_clip_args,
     check_params_in_model,
     is_executor,
     resolve_config,
@@ -162,6 +163,7 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         self._counts = {"local_steps": 0, "reconciliations": 0, "gradient_syncs": 0}
         self._extra_bytes = 0
         self._no_sync = False
+        self._grads_finished = False  # finish_gradients() ran for the coming step: step() does not finish again
         self._shard_grads: ShardGradientSync | None = None
         # the whole layout, or its fragments (a plain module's only: refused here, before any collective)
         wrapped = ("a DDP-wrapped" if self._ddp is not None else "an FSDP2" if self._sharded
@@ -376,14 +378,9 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         n = self._step + 1
         kind = self._reconciler.schedule.kind(n)
         syncs = any(self._parts.syncs_gradients(n, part) for part in self._parts)
-        if self._buckets is not None:
-            for part in self._parts:
-                target = self._gradient_target(part)
-                if target is not None:  # an executor's: the means land in its own gradient tensors
-                    part.buckets.finish(target)  # type: ignore[union-attr]
-        elif self._shard_grads is not None:
-            self._shard_grads.finish()
-        elif self._ddp is not None and syncs:  # DDP's reducer sent them; count its payload
+        self._finish_gradients()  # nothing when finish_gradients() (or clip_grad_norm_) already did
+        self._grads_finished = False
+        if self._ddp is not None and syncs:  # DDP's reducer sent them; count its payload
             self._extra_bytes += self._flat.nbytes
         if syncs:
             self._counts["gradient_syncs"] += 1
@@ -398,6 +395,52 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         self._step = n
         self._arm_next_step()
         return loss
+
+    def _finish_gradients(self) -> None:
+        """Wait for the coming step's gradient exchange and write the means into ``.grad`` (once per step)."""
+        if self._grads_finished:
+            return
+        if self._buckets is not None:
+            for part in self._parts:
+                target = self._gradient_target(part)
+                if target is not None:  # an executor's: the means land in its own gradient tensors
+                    part.buckets.finish(target)  # type: ignore[union-attr]
+        elif self._shard_grads is not None:
+            self._shard_grads.finish()
+        self._grads_finished = True
+
+    def finish_gradients(self) -> None:
+        """Make ``.grad`` what the coming ``step()`` uses, now: on a step that averages gradients, wait for the
+        exchange launched under backward and write the means (what DDP's backward leaves); on a local step
+        nothing happens. ``step()`` then does not wait or average again. Call it after the last backward of
+        the step, on every rank when the step averages gradients (it is the wait of that collective)."""
+        self._refuse_outside_step("finish_gradients")
+        self._finish_gradients()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` on the gradients the coming ``step()`` uses, as DDP + clipping.
+
+        First :meth:`finish_gradients` (so on a gradient-sync step the norm is that of the averaged gradients,
+        the same on every rank; on a local step, of this rank's), then torch's clipping of the optimizer's
+        parameters. Returns the total norm, as torch does; over FSDP2 (DTensor shards) the norm spans the
+        shard group and is returned as a plain tensor, as FSDP1's ``clip_grad_norm_``. Call it between the
+        last backward and ``step()``, on every rank (over FSDP2 the norm is a collective on every step).
+        Calling torch's ``clip_grad_norm_`` directly there instead clips the *local* gradients on a step
+        that averages them: the exchange is still in flight until ``step()``."""
+        check_clip_args(max_norm, norm_type)
+        self._refuse_outside_step("clip_grad_norm_")
+        self._finish_gradients()
+        norm = torch.nn.utils.clip_grad_norm_(self._params, max_norm, norm_type=norm_type)
+        full = getattr(norm, "full_tensor", None)  # a DTensor over FSDP2: the replicated norm as a plain tensor
+        return full() if full is not None else norm
+
+    def _refuse_outside_step(self, what: str) -> None:
+        if self._executor is not None:
+            raise ConfigError(f"{what}() over a {type(self._executor).__name__} is not supported: its slice "
+                              "gradients are averaged inside its step(); clip with the plain path or FSDP2")
+        if self._no_sync:
+            raise ConfigError(f"{what}() inside opt.no_sync(): call it after the last backward of the step, "
+                              "outside the no_sync() block")
 
     def _after_inner_step(self, n: int, kind: StepKind) -> None:
         """What step ``n`` does after the inner update: reconcile, apply an average in flight, buffers."""
