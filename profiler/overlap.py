@@ -40,7 +40,8 @@ communication, and nothing else:
 event, so a training thread that is runnable but off the CPU looks like one that is blocked or
 computing, whichever events surround it. Descheduled inside a collective call or its wait, it
 counts as exposed; descheduled in a gap in which a collective completes (between compute's return
-and ``wait()``, say), as a wait; descheduled just before a call site's event begins, as nothing.
+and ``wait()``, say), as a wait; descheduled in a call's Python binding, before its op's event
+begins or after it ends (dispatch, the GIL, wrapping the Work), as nothing.
 Measured against ``/proc/thread-self/schedstat`` on unpinned jobs (``benchmarks/profiler_cpu_truth.py``,
 docs/results.md), that is where the misses are. Telling them apart needs scheduler data in the
 capture (context-switch records of the training thread, e.g. ``perf sched`` or

@@ -16,11 +16,16 @@ planner and the emulator use) and replays the rank's timeline.
   its group's ranks where the trace tells them:
 
   - ``cpdpkit::emu::<op>[bytes=..,ranks=..,modeled_us=..]`` labels (emulated runs), paired in
-    order, per kind, with the backend ops (``gloo:*``) that moved the real data, when both have
-    the same count: ``L`` = the earlier of the op's start and ``label end − modeled_us`` (the
-    modeled link start); the real data movement ends at the op's end ``R``; ``M = max(label
-    end, R)`` (the emulator completes a collective when both are done). Bytes and ranks from
-    the label;
+    order, per kind, with the backend ops (``gloo:*``) that moved the real data: all of the
+    kind's ops when both have the same count, else those of the worker threads that hold one
+    op per label, each starting after its label's call site (the emulator's arrival exchange is
+    one more all-reduce per collective, on a side group's own threads: :func:`_data_ops`):
+    ``L`` = the earlier of the op's start and ``label end − modeled_us`` (the modeled link
+    start); the real data movement ends at the op's end ``R``; ``M = max(L + modeled_us, R)``
+    (the emulator completes a collective when both are done), and for a collective matched
+    across ranks at least the group's last ``L`` + ``modeled_us`` (the emulator starts the link
+    when the last member arrives: an early rank's wait is the peer, :func:`_synchronised`).
+    Bytes and ranks from the label;
   - otherwise backend ops (``gloo:*``) on CPU traces and NCCL kernels on GPU traces: ``L`` and
     ``M`` are the event's start and end; bytes from the kernel's ``In msg nelems`` × the size of
     its ``dtype`` (``Out msg nelems`` for all-gather) and ranks from ``Process Group Ranks``
@@ -38,11 +43,11 @@ aligns them). Per rank, ``δ`` = predicted minus measured time so far (0 at its 
   emulator) and lasts ``D' = time_s(kind, bytes)``;
 * its predicted completion ``M'`` is the later of that link end and, when the collective is
   matched across ranks (the k-th collective of the same group on each rank, same kind), the
-  group's synchronisation: with a measured real data movement (``R``, emulated runs)
+  group's synchronisation: ``last L' + D'`` (the link starts when the last rank arrives, as in
+  the emulator) and, with a measured real data movement (``R``, emulated runs),
   ``R + (last L' − last L)`` (it ends as long after the last rank's arrival as measured, the
-  arrivals on the common clock), else (NCCL) ``last L' + D'``. An unmatched collective with
-  ``R`` uses ``R + δ``; one whose bytes or group are unknown (*unmodeled*) keeps its measured
-  duration, ``M' = M + δ``;
+  arrivals on the common clock). An unmatched collective with ``R`` uses ``R + δ``; one whose
+  bytes or group are unknown (*unmodeled*) keeps its measured duration, ``M' = M + δ``;
 * a gap ``[g0, g1]`` starts at ``g0 + δ``; it ends at the latest of: its start (a gap with a
   waited collective may shrink to nothing) or its start plus its measured length (a gap with
   none: issuing, idling); ``M' + (g1 − M)`` for each collective waited there (the time from
@@ -74,7 +79,9 @@ exposed time plus the change of its gaps (at least 0): a wait that grows is all 
 **Approximated.** Skew between ranks is re-derived, not kept: a rank waits for the *predicted*
 arrival of the last rank of its group, so ranks stay in step. What a collective takes after the
 last arrival beyond its link time (the real data movement of an emulated run, issuing, waking
-up) is kept as measured. A peer's launch not yet replayed when it is needed (clocks a few µs
+up) is kept as measured, though on shared cores the real data movement depends on what else
+runs meanwhile (the bench's 642 kB all-reduce: 1–10 ms on lan, 1–4 ms on wan, whose ranks sleep
+through the link). A peer's launch not yet replayed when it is needed (clocks a few µs
 apart) is taken at its current shift. The emulator's jitter is not drawn (``time_s`` is the mean
 time). A hidden collective that the new network makes late waits at the next gap after its
 measured completion, even if the program would have waited for it later. Compute's dependence
@@ -115,6 +122,8 @@ WAIT_SLACK_US = 100.0
 MIN_SAMPLES = 2
 # the compute slowdown is kept within this range (a few odd samples must not scale all compute)
 SLOWDOWN_RANGE = (0.5, 4.0)
+# the data ops of emulated collectives are searched among at most this many backend threads
+MAX_BACKEND_THREADS = 12
 
 
 @record(eq=False)
@@ -145,8 +154,12 @@ class RankTimeline:
     # its length and the part of it under communication (µs)
     seg_us: tuple[float, ...] = ()
     seg_under_us: tuple[float, ...] = ()
+    # per collective: its modeled link time as the emulator's label gave it (NaN: none)
+    modeled_us: tuple[float, ...] = ()
 
 
+# (launch L, completion M, real data movement's end R, kind, bytes, ranks, modeled link time)
+_Collective = tuple[float, float, float, str, int, "tuple[int, ...] | None", float]
 _Windows = tuple[list[tuple[float, float]], list[tuple[float, float, bool]]]
 
 
@@ -209,12 +222,52 @@ def _pairs(trace: RankTrace, labels: list, role: str) -> dict[int, int]:
     return pairs
 
 
-def _emu_collectives(trace: RankTrace) -> list[tuple[float, float, float, str, int, tuple[int, ...] | None]]:
+def _data_ops(trace: RankTrace, labels: list, calls: dict[int, int]) -> dict[int, int]:
+    """Label index -> the backend op that moved its data, also where the trace holds more backend
+    ops of the kind than labels: the emulator's arrival exchange (an all-reduce of issue times on
+    a side gloo group, issued just before the data op) is one per collective. gloo runs a group's
+    ops on that group's own worker threads in issue order, so the data ops are the ops of a set of
+    threads with one op per label whose k-th op starts between the k-th label's call site (the
+    call that issued it) and the next one; of the sets that fit, the one whose ops start latest
+    (the exchange is issued first)."""
+    pairs = _pairs(trace, labels, "backend")
+    rows = _rows_of(trace, "backend")
+    start, tid = trace.start_us, trace.thread_id
+    for kind in {lab.kind for lab in labels}:
+        mine = [i for i, lab in enumerate(labels) if lab.kind == kind]
+        if mine[0] in pairs or not all(i in calls for i in mine):
+            continue
+        theirs = [r for r in rows if (trace.name_classes[trace.name_id[r]].cpu_kind or "other") == kind]
+        count = Counter(tid[r] for r in theirs)
+        threads = sorted(count)
+        if len(theirs) <= len(mine) or len(threads) > MAX_BACKEND_THREADS:
+            continue
+        issued = [start[calls[i]] for i in mine]
+        before = issued[1:] + [math.inf]  # a collective's data op starts before the next call issues another
+        best: list[int] | None = None
+        best_score = -math.inf
+        for mask in range(1, 1 << len(threads)):
+            chosen = [t for b, t in enumerate(threads) if mask >> b & 1]
+            if sum(count[t] for t in chosen) != len(mine):
+                continue
+            ops = [r for r in theirs if tid[r] in chosen]
+            if any(not at <= start[r] < nxt for r, at, nxt in zip(ops, issued, before)):
+                continue
+            score = sum(start[r] for r in ops)
+            if score > best_score:
+                best, best_score = ops, score
+        if best is not None:
+            pairs.update(zip(mine, best))
+    return pairs
+
+
+def _emu_collectives(trace: RankTrace) -> list[_Collective]:
     rows = _rows_of(trace, "emu")
     labels = [parse_emu_label(trace.names[trace.name_id[r]]) for r in rows]
     keep = [i for i, lab in enumerate(labels) if lab is not None]
     rows, labels = [rows[i] for i in keep], [labels[i] for i in keep]  # type: ignore[misc]
-    ops, calls = _pairs(trace, labels, "backend"), _pairs(trace, labels, "callsite")
+    calls = _pairs(trace, labels, "callsite")
+    ops = _data_ops(trace, labels, calls)
     out = []
     for i, (row, lab) in enumerate(zip(rows, labels)):
         start, end = trace.start_us[row], trace.end_us[row]
@@ -228,11 +281,11 @@ def _emu_collectives(trace: RankTrace) -> list[tuple[float, float, float, str, i
         link_end = launch + modeled if modeled is not None else end
         done = max(link_end, real) if not math.isnan(real) else link_end
         nbytes = lab.num_bytes if lab.num_bytes is not None else -1
-        out.append((launch, done, real, lab.kind, nbytes, lab.ranks))
+        out.append((launch, done, real, lab.kind, nbytes, lab.ranks, modeled if modeled is not None else math.nan))
     return out
 
 
-def _plain_collectives(trace: RankTrace) -> list[tuple[float, float, float, str, int, tuple[int, ...] | None]]:
+def _plain_collectives(trace: RankTrace) -> list[_Collective]:
     """Backend ops (CPU) or NCCL kernels (GPU), with bytes and ranks when the trace has them."""
     rows = trace.rows_of(gpu_roles={"gpu_comm"})
     gpu = bool(rows)
@@ -245,7 +298,7 @@ def _plain_collectives(trace: RankTrace) -> list[tuple[float, float, float, str,
         sizes = trace.comm_bytes.get(row)  # the model's n: all-gather's output, else the input
         nbytes = -1 if sizes is None else sizes[1] if kind == "all_gather" else sizes[0]
         out.append((trace.start_us[row], trace.end_us[row], math.nan, kind, nbytes,
-                    trace.comm_ranks.get(row)))
+                    trace.comm_ranks.get(row), math.nan))
     return out
 
 
@@ -345,6 +398,7 @@ def rank_timeline(trace: RankTrace, report: RankReport) -> RankTimeline:
         kind=tuple(c[3] for c in colls),
         num_bytes=tuple(c[4] for c in colls),
         ranks=tuple(tuple(c[5]) if c[5] else None for c in colls),
+        modeled_us=tuple(c[6] for c in colls),
         **_clock(trace),
         slowdown=slowdown,
         seg_us=seg,
@@ -365,12 +419,12 @@ def _durations_us(tl: RankTimeline, topology: Topology, world_size: int) -> list
     return out
 
 
-def _wait_points(tl: RankTimeline) -> tuple[list[int], list[bool]]:
+def _wait_points(tl: RankTimeline, done_us: Sequence[float]) -> tuple[list[int], list[bool]]:
     """Each collective's gap (-1: none) and whether it was waited there."""
     g0, g1 = tl.gap_start_us, tl.gap_end_us
     gaps: list[int] = []
     waited: list[bool] = []
-    for launch, done in zip(tl.launch_us, tl.done_us):
+    for launch, done in zip(tl.launch_us, done_us):
         threshold = done - WAIT_SLACK_US
         g = bisect_right(g1, threshold if threshold >= launch else launch)
         g = g if g < len(g1) else -1
@@ -399,12 +453,29 @@ def _matches(timelines: Sequence[RankTimeline]) -> dict[tuple[int, int], list[tu
     return out
 
 
+def _synchronised(timelines: Sequence[RankTimeline], t: int,
+                  peers: dict[tuple[int, int], list[tuple[int, int]]]) -> list[float]:
+    """Rank ``t``'s measured completions ``M``, each emulated collective matched across ranks
+    at least at the group's last arrival plus its modeled link time: the emulator starts the
+    link when the last member arrives, so an early rank's collective completed that much later
+    than its own launch plus the link time (the rest of its wait is the peer, not resuming)."""
+    tl = timelines[t]
+    done = list(tl.done_us)
+    for c, modeled in enumerate(tl.modeled_us):
+        members = peers.get((t, c))
+        if members is not None and not math.isnan(modeled):
+            last = max(timelines[q].clock_us + timelines[q].launch_us[k] for q, k in members) - tl.clock_us
+            done[c] = max(done[c], last + modeled)
+    return done
+
+
 class _Replay:
     """The joint replay of a run's ranks (module docstring); ``change[t]`` per gap of rank ``t``."""
 
     def __init__(self, timelines: Sequence[RankTimeline], durations: Sequence[Sequence[float]]) -> None:
         self.tl, self.dur = timelines, durations
         self.peers = _matches(timelines)
+        self.done = [_synchronised(timelines, t, self.peers) for t in range(len(timelines))]
         self.delta = [0.0] * len(timelines)
         self.launch_new = [[math.nan] * len(tl.launch_us) for tl in timelines]
         self.link_end = [[math.nan] * len(tl.launch_us) for tl in timelines]
@@ -416,7 +487,7 @@ class _Replay:
     def run(self) -> list[list[float]]:
         events, plans = [], []
         for t, tl in enumerate(self.tl):
-            gap, waited = _wait_points(tl)
+            gap, waited = _wait_points(tl, self.done[t])
             due: dict[int, list[int]] = {}
             for c, g in enumerate(gap):
                 if g >= 0:
@@ -457,12 +528,14 @@ class _Replay:
         tl, d = self.tl[t], self.dur[t][c]
         own_shift = self.launch_new[t][c] - tl.launch_us[c]
         if math.isnan(d):
-            return tl.done_us[c] + own_shift
+            return self.done[t][c] + own_shift
         done, real = self.link_end[t][c], tl.real_end_us[c]
         last = self._last_arrival_shift(t, c)
+        if last is not None:  # the link starts when the group's last rank arrives (as in the emulator)
+            done = max(done, last[1] + d)
         if not math.isnan(real):  # the real data movement: after the last rank arrives, as long as measured
             return max(done, real + (last[0] if last is not None else own_shift))
-        return max(done, last[1] + d) if last is not None else done
+        return done
 
     def _inflight(self, t: int, start: float) -> tuple[list[float], list[float]]:
         """Rank ``t``'s predicted in-flight intervals ``[L', M']`` that end after ``start``, merged."""
@@ -507,7 +580,7 @@ class _Replay:
         end = x0 if any(waited[c] for c in mine) else x0 + (g1 - g0)
         for c in mine:
             done = self._done(t, c)
-            end = max(end, done + (g1 - tl.done_us[c]) if waited[c] else max(x0, done) + (g1 - g0))
+            end = max(end, done + (g1 - self.done[t][c]) if waited[c] else max(x0, done) + (g1 - g0))
         self.change[t][g] = (end - x0) - (g1 - g0)
         self.delta[t] = end - g1
 

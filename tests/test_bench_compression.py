@@ -93,3 +93,24 @@ def test_hybrid_compression_is_validated_and_carried_in_the_spec():
         HybridBenchConfig(compression="int4")
     assert str(exc.value) == ("--compression: compression 'int4' is not a codec: pass one of 'none', 'bf16', 'int8' "
                               "or 'topk:F' with F in (0, 1], e.g. 'topk:0.02'")
+
+
+def test_hybrid_slowmo_momentum_is_validated_and_carried_in_the_spec():
+    from cpdpkit.bench.hybrid.suite import HybridBenchConfig
+    from cpdpkit.errors import ConfigError
+
+    assert HybridBenchConfig(slowmo_momentum=0.5).to_dict()["slowmo_momentum"] == 0.5
+    assert HybridBenchConfig().to_dict()["slowmo_momentum"] is None  # the library's default by replicas
+    with pytest.raises(ConfigError) as exc:
+        HybridBenchConfig(slowmo_momentum=1.0)
+    assert str(exc.value) == ("--slowmo-momentum: slowmo_momentum must be in [0, 1) or None, got 1.0: pass None "
+                              "for the measured default by replicas (slowmo_beta_for), or e.g. 0.2")
+
+
+def test_bench_hybrid_bad_slowmo_momentum_exits_2_before_any_launch(tmp_path):
+    result = CliRunner().invoke(app, ["bench", "hybrid", "--slowmo-momentum", "-0.1", "--work-dir", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    lines = [ln for ln in result.output.splitlines() if ln.strip()]
+    assert lines == ["error: --slowmo-momentum: slowmo_momentum must be in [0, 1) or None, got -0.1: pass None for "
+                     "the measured default by replicas (slowmo_beta_for), or e.g. 0.2"], result.output
+    assert not any(Path(tmp_path).iterdir()), "nothing may start before the options are valid"

@@ -72,6 +72,25 @@ def test_wait_ends_when_the_collective_completes(tmp_path: Path) -> None:
     assert r.steps[0].exposed_us == 910
 
 
+def test_long_call_is_exposed_whole_whatever_runs_inside_or_beside_it(tmp_path: Path) -> None:
+    # a 705 us all-reduce call (issue 26: the thread held in the call, e.g. descheduled in its
+    # op) with ops nested in it and gloo's worker already moving the data 100 us in: all of it
+    # is the thread in communication, nothing of it compute
+    doc = trace_doc([
+        step(0, 0, 3000),
+        cpu_op("aten::mm", 0, 300),
+        cpu_op("c10d::allreduce_", 300, 705),
+        cpu_op("record_param_comms", 310, 20),
+        cpu_op("aten::empty", 340, 200),
+        annotation("gloo:all_reduce", 400, 1000, tid=GLOO),
+        cpu_op("aten::add", 1005, 1995),
+    ])
+    r = _rank(tmp_path, doc)
+    # blocked 300-1005 (the call); hidden 1005-1400 under aten::add
+    assert (r.exposed_us, r.hidden_us, r.compute_us) == (705, 395, 2295)
+    assert r.steps[0].exposed_us == 705
+
+
 def test_wait_on_an_emulated_link_lasts_to_the_resume(tmp_path: Path) -> None:
     # the real op ends early; the thread sleeps to the modeled end and resumes at 2500, while
     # the emulator's event closes late (2600): the whole gap is the wait

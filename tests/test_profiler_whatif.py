@@ -188,9 +188,11 @@ def test_topology_that_cannot_be_placed_is_an_error_entry(tmp_path: Path) -> Non
 
 
 def test_ranks_wait_for_the_predicted_last_arrival(tmp_path: Path) -> None:
-    """Rank 1 issues at +100, rank 0 at +300; the real data movement (gloo op) ends at +400 on both,
-    the 1000 us link time at issue + 1000; each rank resumes 10 us after its completion. On a fast
-    network rank 1 waits for rank 0's *predicted* arrival (skew re-derived, ranks stay in step)."""
+    """Rank 1 issues at +100, rank 0 at +300; as in the emulator, the 1000 us link starts at the
+    last arrival on both (300-1300), the real data movement (gloo op) ends at +400 on both, and
+    each rank resumes 10 us after the completion (1310). On a fast network rank 1 waits for rank
+    0's *predicted* arrival (skew re-derived, ranks stay in step), and its measured wait past its
+    own issue + 1000 us is the peer, not resuming."""
     nbytes = 1000
     label = emu_label("all_reduce", num_bytes=nbytes, tier="LAN", ranks="0-1", modeled_s=MODELED_US / 1e6)
     issue = {0: 300.0, 1: 100.0}
@@ -200,9 +202,9 @@ def test_ranks_wait_for_the_predicted_last_arrival(tmp_path: Path) -> None:
         for k in range(2):
             t, a = k * STEP_US, issue[rank]
             out += [step(k, t, STEP_US), cpu_op("aten::mm", t, a), cpu_op("c10d::allreduce_", t + a, 10),
-                    annotation(label, t + a, MODELED_US, tid=GLOO + 1),
+                    annotation(label, t + 300, MODELED_US, tid=GLOO + 1),
                     annotation("gloo:all_reduce", t + a, 400 - a, tid=GLOO),
-                    cpu_op("aten::add", t + a + 1010, STEP_US - a - 1010)]
+                    cpu_op("aten::add", t + 1310, STEP_US - 1310)]
         return out
 
     folder = tmp_path / "skew"
@@ -211,17 +213,18 @@ def test_ranks_wait_for_the_predicted_last_arrival(tmp_path: Path) -> None:
     run = analyze([folder], what_if="lan").runs[0]
     d = preset("lan", world_size=2).group((0, 1)).time_s("all_reduce", nbytes) * 1e6
     # the replay by hand: per step, both ranks launch at L' = t + issue + delta; completion
-    # max(L' + d, real end + shift of the last arrival); resume 10 us later
+    # max(the last L' + d, real end + shift of the last arrival); resume 10 us later; each
+    # rank's gap (issue + 10 to 1310) changes by its new length minus the measured one
     delta, change = {0: 0.0, 1: 0.0}, {0: [], 1: []}
     for k in range(2):
         t = k * STEP_US
         launch_new = {r: t + issue[r] + delta[r] for r in (0, 1)}
         shift = max(launch_new.values()) - (t + 300)
         for r in (0, 1):
-            end = max(launch_new[r] + d, t + 400 + shift) + 10
-            change[r].append((end - launch_new[r]) - 1010)
-            delta[r] = end - (t + issue[r] + 1010)
-    assert change[1][1] == pytest.approx(change[0][1])  # in step again after one reconciliation
+            end = max(max(launch_new.values()) + d, t + 400 + shift) + 10
+            change[r].append((end - (launch_new[r] + 10)) - (1300 - issue[r]))
+            delta[r] = end - (t + 1310)
+    assert change[1][1] == pytest.approx(change[0][1])  # both resume together, as measured
     step_time = sum(STEP_US + sum(change[r]) / 2 for r in (0, 1)) / 2
     exposed = run.summary.per_step["exposed_us"] + sum(sum(change[r]) / 2 for r in (0, 1)) / 2
     assert run.what_if.step_time_us == pytest.approx(step_time)
@@ -266,3 +269,33 @@ def test_compute_slowed_under_communication_is_measured_and_replayed(tmp_path: P
     # on wan the link outlasts the slowed compute: compute keeps its length, the wait grows
     wan = analyze([folder], what_if="wan").runs[0].what_if
     assert wan.step_time_us == pytest.approx(400 + _model_us("wan", SLOW_BYTES) + 10 + 400 + 190)
+
+
+def _exchange_step(k: int) -> list[dict]:
+    """Step ``k`` of 2000 us of an emulated run as the emulator writes it since issue 15: the call
+    site 300-310 issues the data op, which gloo's worker (thread GLOO) runs 320-1800 (the real
+    data movement, 642 kB on 2 busy cores), after the arrival exchange (an all-reduce of issue
+    times on the emulator's side group, thread GLOO + 2) ran 305-320; the modeled link 300-1300.
+    The emulator completes at the later of the two, 1800; the thread resumes at 1810."""
+    t = k * STEP_US
+    label = emu_label("all_reduce", num_bytes=NUM_BYTES, tier="LAN", ranks="0-1", modeled_s=MODELED_US / 1e6)
+    return [step(k, t, STEP_US), cpu_op("aten::mm", t, 300), cpu_op("c10d::allreduce_", t + 300, 10),
+            annotation("gloo:all_reduce", t + 305, 15, tid=GLOO + 2),
+            annotation("gloo:all_reduce", t + 320, 1480, tid=GLOO),
+            annotation(label, t + 300, MODELED_US, tid=GLOO + 1),
+            cpu_op("aten::add", t + 1810, 190)]
+
+
+@pytest.mark.parametrize("topology", ["lan", "wan"])
+def test_real_data_movement_found_beside_the_arrival_exchange(tmp_path: Path, topology: str) -> None:
+    run = analyze([_run(tmp_path, lambda: [e for k in range(2) for e in _exchange_step(k)])],
+                  what_if=topology).runs[0]
+    assert run.summary.per_step["exposed_us"] == pytest.approx(10 + 1500)
+    d = _model_us(topology)
+    # by hand: both ranks arrive at 300; completion max(300 + d, 1800, the real data movement
+    # kept), the resume 10 us later; the wait 310-resume is exposed, as is the call
+    done = max(300 + d, 1800.0)
+    assert run.what_if.exposed_us == pytest.approx(10 + done + 10 - 310)
+    assert run.what_if.step_time_us == pytest.approx(STEP_US + (done + 10 - 310) - 1500)
+    if topology == "lan":  # the lan link (614 us) ends under the real data movement: as measured
+        assert d < 1500 and run.what_if.exposed_us == pytest.approx(1510)

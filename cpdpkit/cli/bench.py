@@ -339,6 +339,9 @@ def hybrid(
     compression: str | None = typer.Option(None, metavar="CODEC", help="Codec of the cpdp-over-* strategies' "
                                               "cross-site exchanges (averages and synchronous-step gradients, with "
                                               "error feedback): none | bf16 | int8 | topk:F.", show_default="none"),
+    slowmo_momentum: float | None = typer.Option(None, metavar="FLOAT", help="SlowMo's β of the cpdp-over-* "
+                                                    "strategies, in [0, 1).",
+                                                 show_default="the library's default by replicas: 0 at 2 sites"),
     quick: bool = typer.Option(False, "--quick", help="A small smoke run: one period timed (each "
                                                       "strategy still starts its own ranks)."),
     profile: str | None = typer.Option(None, "--profile", help="Write traces for every run under DIR."),
@@ -350,7 +353,8 @@ def hybrid(
     and global HSDP on a small GPT over an emulated two-site cluster; compare them."""
     config = hybrid_config(strategies=strategies, model=model, world_size=world_size, topology=topology,
                            batch_size=batch_size, lr=lr, steps=steps, period=period, overlap_steps=overlap_steps,
-                           compression=compression, quick=quick, profile=profile)
+                           compression=compression, slowmo_momentum=slowmo_momentum, quick=quick,
+                           profile=profile)
     run_hybrid_suite(config, json_out=json_out, plot=plot, work_dir=work_dir)
 
 

@@ -53,9 +53,9 @@ from cpdpkit.errors import ConfigError
 from cpdpkit.labels import SYNC
 from cpdpkit.sync._comm import Communicator
 from cpdpkit.sync._flat import FlatParameters, SegmentedParameters
-from cpdpkit.sync._fragments import FragmentParameters
+from cpdpkit.sync._fragments import fragments_of
 from cpdpkit.sync._grad_buckets import GradientBuckets
-from cpdpkit.sync._parts import Part, Parts, fragment_offset, named_values
+from cpdpkit.sync._parts import Part, Parts, named_values
 from cpdpkit.sync._reconcile import STATS_SLOTS, Reconciler
 from cpdpkit.sync._replicas import check_replicas
 from cpdpkit.sync._sharded import ShardedParameters, ShardGradientSync, as_param_layout, is_sharded
@@ -163,7 +163,14 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         self._extra_bytes = 0
         self._no_sync = False
         self._shard_grads: ShardGradientSync | None = None
-        self._parts = Parts(self.config, [self._part(i, flat) for i, flat in enumerate(self._fragments())])
+        # the whole layout, or its fragments (a plain module's only: refused here, before any collective)
+        wrapped = ("a DDP-wrapped" if self._ddp is not None else "an FSDP2" if self._sharded
+                   else "an executor's" if self._executor is not None else None)
+        self._parts = Parts.build(
+            self.config, fragments_of(self._flat, self.config.fragments, wrapped=wrapped), buffers=self._buffers,
+            check=self._check_reconciled if self.config.check_replicas else None, slow=self._slow, world=self._comm,
+            optimizer=self.optim, params=self._params,
+            blocked_s=lambda: sum(c.blocked_s for c in self._communicators()))
         names = {id(p): name for name, p in self._module.named_parameters()}
         self._param_names = {id(p): names.get(id(p), f"#{i}") for i, p in enumerate(self._flat_params())}
         self._after_ran = False
@@ -172,27 +179,6 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         self._start()
 
     # -- construction ----------------------------------------------------------------------
-    def _fragments(self) -> list[SegmentedParameters]:
-        """The layout itself, or ``fragments`` slices of it (plain modules only; checked before any collective)."""
-        fragments = self.config.fragments
-        if fragments == 1:
-            return [self._flat]
-        if self._ddp is not None or self._sharded or self._executor is not None:
-            kind = "a DDP-wrapped" if self._ddp is not None else "an FSDP2" if self._sharded else "an executor's"
-            raise ConfigError(f"fragments={fragments} with {kind} model: streaming fragments need a plain module "
-                              "(its gradients in cpdpkit's own buckets); pass the plain module, or fragments=1")
-        return list(FragmentParameters.split(self._flat, fragments))
-
-    def _part(self, index: int, flat: SegmentedParameters) -> Part:
-        """Fragment ``index``'s reconciler: its stagger, and the buffers only with fragment 0."""
-        cfg = self.config
-        check = (lambda step, values: self._check_reconciled(flat, step, values)) if cfg.check_replicas else None
-        offset = fragment_offset(index, cfg.fragments, int(cfg.period)) if cfg.fragments > 1 else 0
-        return Part(flat, Reconciler(
-            cfg, flat, slow=self._slow, world=self._comm, optimizer=self.optim, params=self._params,
-            buffers=self._buffers if index == 0 else list, offset=offset,
-            blocked_s=lambda: sum(c.blocked_s for c in self._communicators()), on_reconciled=check))
-
     @property
     def _reconciler(self) -> Reconciler:
         """Fragment 0's (the whole model's without fragments): the schedule the step kinds follow."""
@@ -260,15 +246,15 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         elif self._sharded:
             self._shard_grads = ShardGradientSync(self.model, target=self._gradient_target,
                                                   compression=self._grad_compression,
-                                                  compressed=lambda: self._compresses_gradients(self._parts[0]))
+                                                  compressed=lambda: self._compresses_gradients(self._parts[0]),
+                                                  replicas=self._comm.size)
             if self._grad_compression != "none":
                 self._parts[0].grad_feedback = self._shard_grads
         elif self._ddp is None:
             for part in self._parts:  # per fragment: a synchronous step all-reduces its fragment's gradients
-                if isinstance(part.flat, FragmentParameters):
-                    pieces = part.flat.pieces()
-                    part.buckets = self._gradient_buckets(part, [p for p, _, _ in pieces],
-                                                          ranges=[(a, b) for _, a, b in pieces])
+                pieces = part.gradient_pieces()
+                if pieces is not None:
+                    part.buckets = self._gradient_buckets(part, pieces[0], ranges=pieces[1])
                     continue
                 trained = {id(q) for q in self._params}
                 part.buckets = self._gradient_buckets(part, [p for p in self.model.parameters() if id(p) in trained])

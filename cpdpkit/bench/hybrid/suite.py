@@ -103,6 +103,9 @@ class HybridBenchConfig:
     # the codec of the cpdp-over-* strategies' cross-site exchanges (their averages and synchronous-step
     # gradients: one codec per tier, the WAN; inside a site FSDP2 / the executor send fp32 as always)
     compression: str = "none"
+    # SlowMo's β of the cpdp-over-* strategies; None: the library's default for the replica count
+    # (cpdpkit.sync.slowmo_beta_for: 0 at 2 sites)
+    slowmo_momentum: float | None = None
     seed: int = 0
     profile_dir: str | None = None
 
@@ -143,6 +146,10 @@ class HybridBenchConfig:
             SyncConfig(strategy="cpdp", period=self.period, compression=self.compression)
         except ConfigError as exc:
             raise ConfigError(f"--compression: {exc}") from None
+        try:
+            SyncConfig(strategy="cpdp", period=self.period, slowmo_momentum=self.slowmo_momentum)
+        except ConfigError as exc:
+            raise ConfigError(f"--slowmo-momentum: {exc}") from None
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

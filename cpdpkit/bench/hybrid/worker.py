@@ -117,7 +117,8 @@ def _sharded_run(spec: dict[str, Any], model: nn.Module) -> Run:
         opt = sync = PeriodicSyncOptimizer(inner(model.parameters()), model=model,
                                            group=mesh["replicate"].get_group(), strategy="cpdp",
                                            period=spec["period"], overlap_steps=overlap,
-                                           compression=spec.get("compression", "none"))
+                                           compression=spec.get("compression", "none"),
+                                           slowmo_momentum=spec.get("slowmo_momentum"))
     inner_opt = sync.optim if sync is not None else opt
     return Run(step=optimizer_step(model, opt), state_bytes=lambda: _state_bytes(inner_opt),
                report=lambda: _memory_report(model, inner_opt, sync))
@@ -137,7 +138,8 @@ def _two_stage_run(spec: dict[str, Any], model: nn.Module) -> Run:
     ex = TwoStageExecutor(model, ShardingPlan.from_dict(spec["site_plan"]), optimizer_factory(spec),
                           mesh=mesh["replicate", "shard"])
     sync = PeriodicSyncOptimizer(ex.optimizer, model=ex, group=mesh["site"].get_group(), strategy="cpdp",
-                                 period=spec["period"], compression=spec.get("compression", "none"))
+                                 period=spec["period"], compression=spec.get("compression", "none"),
+                                 slowmo_momentum=spec.get("slowmo_momentum"))
 
     def after_warmup() -> None:  # the sharding suite's calibration: its schedule from this machine's timings
         ex.calibrate()
