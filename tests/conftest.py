@@ -55,6 +55,11 @@ RANKS4 = "ranks4"
 FIXTURE_GROUPS = {"planner_spawn": RANKS4, "sync_ranks": "sync_ranks"}
 
 
+def pytest_configure(config):
+    # xdist registers its mark only when it runs workers (-n); without -n an unknown mark would warn
+    config.addinivalue_line("markers", "xdist_group(name): the tests of one group run on one pytest-xdist worker")
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:

@@ -3,6 +3,7 @@ and how its options resolve (``--quick``'s reduced defaults, the defaults ``--he
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -15,7 +16,7 @@ import typer.main
 from typer.testing import CliRunner
 
 from cpdpkit.bench.periodic.config import BENCH_STRATEGIES, DEFAULT_STRATEGIES, BenchConfig, RunSpec
-from cpdpkit.bench.periodic.runner import run_one
+from cpdpkit.bench.periodic.runner import run_one, run_together
 from cpdpkit.cli import app
 from cpdpkit.cli.bench import _bench_config
 from cpdpkit.sync.config import SyncConfig
@@ -63,17 +64,38 @@ def _spec(**kw) -> RunSpec:
     return RunSpec(**base)
 
 
+# what a run computes, independent of the machine's speed: equal for the same spec however it was launched
+_DETERMINED = ("status", "steps", "final_params_sha256", "final_loss", "peak_test_acc", "final_test_acc",
+               "bytes_per_step", "max_bytes_per_step", "collectives_per_step", "world_size", "topology")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_failed_and_diverged_runs_are_reported_with_their_reason(tmp_path):
+def test_runs_launched_together_equal_their_own_launch_and_failures_keep_their_reason(tmp_path):
     config = BenchConfig(world_size=2, topology="lan")
-    crashed = run_one(_spec(dataset="cifar100", data_dir=str(tmp_path / "nothing")), config, tmp_path)
+    ok = _spec()
+    again = dataclasses.replace(ok, variant="again")  # the same run under another label (its own run folder)
+    specs = [_spec(lr=1e6, epochs=2, variant="diverging"), ok,
+             _spec(dataset="cifar100", data_dir=str(tmp_path / "nothing"), variant="crashing"), again]
+    events = []
+    # one launch runs the diverged run, then `ok` on the same ranks, then fails in the crashed run; the run
+    # after it gets a launch of its own (a fresh set of ranks, as every run had before)
+    diverged, together, crashed, alone = run_together(specs, config, tmp_path, events.append, topology="lan")
     assert crashed["status"] == "failed"
     assert crashed["reason"].startswith("rank ") and "holds no CIFAR-100" in crashed["reason"]
-    diverged = run_one(_spec(lr=1e6, epochs=2), config, tmp_path)
     assert diverged["status"] == "diverged"
     assert diverged["reason"].startswith("training loss became ") and "in epoch 1" in diverged["reason"]
     assert math.isnan(diverged["peak_test_acc"])
+    logs = [(Path(r["run_dir"]) / "logs").is_dir() for r in (diverged, together, crashed, alone)]
+    assert logs == [True, False, False, True], logs  # two launches: the first in the diverged run's folder
+    assert together["status"] == "ok" and together["steps"] > 0
+    assert {k: together[k] for k in _DETERMINED} == {k: alone[k] for k in _DETERMINED}
+    assert [(c["test_acc"], c["loss"]) for c in together["curve"]] == [(c["test_acc"], c["loss"])
+                                                                       for c in alone["curve"]]
+    assert [e[1] for e in events if e[0] == "start"] == specs  # each as it started
+    assert [e[1] for e in events if e[0] == "done"] == specs  # each launch's as it ended
+    assert [e[1:] for e in events if e[0] == "epoch"] == [(ok, 1, 1), (again, 1, 1)]
+    assert all(r["launch_s"] > 0 and r["run_dir"] for r in (diverged, together, crashed, alone))
 
 
 @pytest.mark.slow

@@ -67,6 +67,7 @@ def init_distributed(
     rank: int | None = None,
     world_size: int | None = None,
     faults: FaultPlan | None = None,
+    store: dist.Store | None = None,
 ) -> DistributedInfo:
     """Start the default process group; emulate ``topology`` (or ``$CPDPKIT_TOPOLOGY``) if set.
 
@@ -76,7 +77,9 @@ def init_distributed(
 
     ``backend=None`` chooses ``emu`` when a topology is known, else nccl (CUDA) or gloo.
     ``backend="gloo"``/``"nccl"`` never emulates. ``rank``/``world_size``/``init_method`` default
-    to torchrun's environment (``env://``). Calling it again returns the existing setup.
+    to torchrun's environment (``env://``); ``store`` (instead of ``init_method``) rendezvous through a
+    c10d store of the caller's (e.g. torchrun's under a prefix of its own, for several jobs one after
+    the other in one launch). Calling it again returns the existing setup.
     ``faults`` (default: ``$CPDPKIT_FAULTS``, else the topology's ``[faults]`` table) are injected
     into the emulated groups (:mod:`cpdpkit.emulator.faults`).
     """
@@ -112,7 +115,7 @@ def init_distributed(
         if placed is not None:  # chosen is BACKEND_NAME
             faults = faults if faults is not None else faults_from_env()
             register_emulated_backend(EmulatorConfig(topology=placed, jitter_seed=jitter_seed, faults=faults))
-        dist.init_process_group(backend=chosen, init_method=init_method or "env://", rank=rank,
-                                world_size=world_size, timeout=timeout)
+        rendezvous: dict[str, Any] = {"store": store} if store is not None else {"init_method": init_method or "env://"}
+        dist.init_process_group(backend=chosen, rank=rank, world_size=world_size, timeout=timeout, **rendezvous)
     return DistributedInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
                            device=device, backend=chosen, topology=placed)

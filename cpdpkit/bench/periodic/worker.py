@@ -1,9 +1,10 @@
 """One rank of one ``cpdpkit bench`` run (launched by torchrun through :mod:`cpdpkit.launch`).
 
-    python -m cpdpkit.bench.periodic.worker RUN_DIR
+    python -m cpdpkit.bench.periodic.worker RUN_DIR [RUN_DIR ...]
 
-reads ``RUN_DIR/spec.json`` (a :class:`~cpdpkit.bench.periodic.config.RunSpec`), trains, and rank 0
-writes ``RUN_DIR/result.json`` and appends one line per epoch to ``RUN_DIR/progress.jsonl``.
+for each run folder in turn (several: one launch of :func:`cpdpkit.bench.launcher.run_jobs`, each run in a
+process group of its own), reads ``RUN_DIR/spec.json`` (a :class:`~cpdpkit.bench.periodic.config.RunSpec`),
+trains, and rank 0 writes ``RUN_DIR/result.json`` and appends one line per epoch to ``RUN_DIR/progress.jsonl``.
 
 Only training steps count towards the strategy's wall clock. Evaluation (of the average of the
 ranks' parameters, so periodic strategies are judged on one model without disturbing their
@@ -29,7 +30,7 @@ from torch import nn
 from cpdpkit.bench.data import load_dataset
 from cpdpkit.bench.data.augment import epoch_augmenter, first_images
 from cpdpkit.bench.data.dataset import Dataset
-from cpdpkit.bench.launcher import PROGRESS_FILE, finish_rank, read_spec
+from cpdpkit.bench.launcher import PROGRESS_FILE, finish_rank, job_store, read_specs
 from cpdpkit.bench.models import build_model
 from cpdpkit.bench.periodic.config import RunSpec
 from cpdpkit.bench.periodic.strategies import StrategyRunner, build_strategy
@@ -199,13 +200,19 @@ def _profiled(spec: RunSpec):
 
 
 def main(argv: list[str] | None = None) -> None:
+    for index, (run_dir, raw) in enumerate(read_specs(sys.argv[1:] if argv is None else argv)):
+        _run(index, run_dir, RunSpec.from_dict(raw))
+
+
+def _run(index: int, run_dir: Path, spec: RunSpec) -> None:
+    """The launch's run ``index``: its own process group (started here unless the caller has one), destroyed
+    at the end (:func:`finish_rank`)."""
     from cpdpkit.emulator import init_distributed
 
-    run_dir, raw = read_spec(sys.argv[1:] if argv is None else argv)
-    spec = RunSpec.from_dict(raw)
     t0 = time.perf_counter()
     torch.set_num_threads(1)
-    info = init_distributed(jitter_seed=spec.seed)  # paired seeds see the same network draws
+    store = None if dist.is_initialized() else job_store(index)
+    info = init_distributed(jitter_seed=spec.seed, store=store)  # paired seeds see the same network draws
     rank, world = info.rank, info.world_size
     data = first_images(load_dataset(spec.dataset, data_dir=spec.data_dir, quick=spec.quick), spec.max_images)
     torch.manual_seed(spec.seed)
