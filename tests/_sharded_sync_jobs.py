@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 STEPS = 6
+CLIP_NORM = 0.2  # below most steps' gradient norm: the clipping acts
 
 
 def make_model() -> nn.Module:
@@ -133,8 +134,32 @@ def job_numerics(rank: int, world: int, tmp: str) -> dict[str, Any]:
     out["straight_loss"] = train(a, opt_a, rank, range(3, STEPS))
     out["straight"] = full(a)
     out["exp_avg_is_dtensor"] = all(type(s["exp_avg"]).__name__ == "DTensor" for s in opt_b.optim.state.values())
+    out.update(clipping(rank, mesh, sites))
     out.update(executor(rank, tmp, replicate, sites))
     return out
+
+
+def clipping(rank: int, mesh: Any, sites: list[Any]) -> dict[str, Any]:
+    """cpdp K=2 with ``opt.clip_grad_norm_`` on every step: over FSDP2 shards and on the plain path (fast = site,
+    slow = replicate group); the norms returned, and the parameters."""
+    from cpdpkit.sync import PeriodicSyncOptimizer
+
+    def run(model: nn.Module, **groups: Any) -> tuple[list[float], list[torch.Tensor]]:
+        opt = PeriodicSyncOptimizer(adamw(model), model=model, strategy="cpdp", period=2, timeout_s=60, **groups)
+        norms = []
+        for step in range(STEPS):
+            x, y = batch(rank, step)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            norms.append(float(opt.clip_grad_norm_(CLIP_NORM)))
+            opt.step()
+        return norms, full(model)
+
+    replicate = mesh["replicate"].get_group()
+    sharded_norms, sharded = run(shard(make_model(), mesh["shard"]), group=replicate)
+    plain_norms, plain = run(make_model(), fast_group=sites[rank // 2], slow_group=replicate)
+    return {"clip_sharded": sharded, "clip_sharded_norms": sharded_norms, "clip_plain": plain,
+            "clip_plain_norms": plain_norms}
 
 
 def executor(rank: int, tmp: str, replicate: Any, sites: list[Any]) -> dict[str, Any]:

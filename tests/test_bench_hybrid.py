@@ -24,8 +24,8 @@ RESULT_KEYS = {"strategy": str, "step_s": float, "exposed_comm_s_per_step": floa
                "training_state_bytes_per_rank": int, "peak_mem_bytes": int, "final_loss": float,
                "loss_curve_rank_mean": list, "step_s_by_rank": list, "step_s_median": float}
 HYBRID_OPTIONS = {"--strategies", "--model", "--world-size", "--topology", "--batch-size", "--lr", "--steps",
-                  "--period", "--overlap-steps", "--compression", "--quick", "--profile", "--json", "--plot",
-                  "--work-dir"}
+                  "--period", "--overlap-steps", "--compression", "--slowmo-momentum", "--quick", "--profile",
+                  "--json", "--plot", "--work-dir"}
 
 
 HYBRID_RAN = ("ddp-global", "hsdp-global", "cpdp-over-hsdp", "cpdp-over-two-stage")
@@ -188,6 +188,11 @@ def test_hybrid_help_lists_its_options_and_the_configs_defaults():
     documented = {p.name: str(p.show_default).split(";")[0].strip() for p in _hybrid_command().params
                   if isinstance(p.show_default, str)}
     assert documented.pop("strategies") == "all five" and config.strategies == HYBRID_STRATEGIES
+    from cpdpkit.sync import slowmo_beta_for
+
+    # None: the library's table, whose value at the default's 2 sites the help states
+    assert documented.pop("slowmo_momentum") == f"the library's default by replicas: {slowmo_beta_for(2):g} at 2 sites"
+    assert config.slowmo_momentum is None
     assert documented == {name: str(getattr(config, name)) for name in documented}
     assert set(documented) == {"model", "world_size", "topology", "batch_size", "lr", "steps", "period",
                                "overlap_steps", "compression"}

@@ -1,9 +1,9 @@
-"""PartialShardExecutor (replicated parameters; gradients and optimizer state sharded over all ranks,
-node first) vs plain data parallelism (gradients all-reduced with mean, the whole optimizer) on 4 gloo
-ranks (2 nodes x 2): SGD+momentum and AdamW, stage 1 during backward bit-identical to updating in
-step(), exact clipping, gradient accumulation, a quarter of the optimizer state per rank, every
-collective labelled, a checkpoint round trip; over the emulated backend no more wire bytes per tier
-than a ring all-reduce of the model, stage-1 evidence and calibration; the one-line refusals."""
+"""PartialShardExecutor (replicated parameters; gradients and optimizer state sharded over all ranks, one
+world-group reduce-scatter and all-gather per unit) vs plain data parallelism (gradients all-reduced with
+mean, the whole optimizer) on 4 gloo ranks (2 nodes x 2): SGD+momentum and AdamW, stage 1 during backward
+bit-identical to updating in step(), exact clipping, gradient accumulation, a quarter of the optimizer state
+per rank, every collective labelled, a checkpoint round trip; over the emulated backend no more wire bytes per
+tier than a ring all-reduce of the model, stage-1 evidence and calibration; the one-line refusals."""
 
 from __future__ import annotations
 
@@ -115,17 +115,27 @@ def test_partial_bytes_stage1_and_calibration_over_the_emulated_backend(all_resu
     topo = plan.topology
     model_bytes = 4 * sum(p.numel() for p in pj.Net().parameters())
     ddp = ej.NUM_STEPS * topo.group(range(4)).cost("all_reduce", model_bytes).wire_bytes
-    node, nodes = topo.group([0, 1]), topo.group([0, 2])
-    expect = {"LAN": 0, "WAN": 0}  # the network model's bytes of the four collectives per unit
+    node, nodes, world = topo.group([0, 1]), topo.group([0, 2]), topo.group(range(4))
+    expect = {"LAN": 0, "WAN": 0}  # the network model's bytes of one world reduce-scatter and all-gather per unit
+    two_level = {"LAN": 0, "WAN": 0}  # ... and of the paper's two levels: in the node, then across nodes
     for u in plan.units:
         c = math.ceil(u.numel / 2)
         d = math.ceil(c / 2)
-        expect["LAN"] += node.wire_bytes("reduce_scatter", 2 * c * 4) + node.wire_bytes("all_gather", 2 * c * 4)
-        expect["WAN"] += nodes.wire_bytes("reduce_scatter", 2 * d * 4) + nodes.wire_bytes("all_gather", 2 * d * 4)
+        for op in ("reduce_scatter", "all_gather"):
+            for tier, b in world.cost(op, 4 * d * 4).tier_bytes:  # the world group priced hierarchically
+                expect[tier] += b
+            two_level["LAN"] += node.wire_bytes(op, 2 * c * 4)
+            two_level["WAN"] += nodes.wire_bytes(op, 2 * d * 4)
+    # one call per direction, the same bytes on each link as the two levels (the in-node level carries the
+    # world layout's padding, R·d - c <= 1 element a unit here)
+    assert expect["WAN"] == two_level["WAN"] and 0 <= expect["LAN"] - two_level["LAN"] <= 2 * 4 * len(plan.units)
     for rank, rank_result in enumerate(results):
         metered, slow = rank_result["cases"]
         tiers = metered["bytes_by_tier"]
         assert tiers == {tier: ej.NUM_STEPS * b for tier, b in expect.items()}, (rank, tiers)
+        # two collectives per unit and step (the two-level scheme issued four), nothing else without clipping
+        per_unit = ej.NUM_STEPS * len(plan.units)
+        assert metered["op_counts"] == {"reduce_scatter": per_unit, "all_gather": per_unit}, metered["op_counts"]
         assert all(b <= 1.01 * ddp for b in tiers.values()) and sum(tiers.values()) <= 1.01 * ddp, (tiers, ddp)
         before = slow["ex"]["stats_before"]
         assert before["stage1_launched"] == 2 and before["stage1_units"] > 0, before

@@ -50,6 +50,13 @@ def test_cpdp_over_shards_equals_the_plain_path_over_site_and_replicate_groups(r
     assert not _same(ranks[0]["k4_0"], jobs.full(jobs.make_model()))
 
 
+def test_clip_grad_norm_over_shards_equals_the_plain_path(ranks: list[dict]) -> None:
+    for r in ranks:  # the norm of the DTensor shards (over the shard group) is the plain model's, and clipping acts
+        assert max(abs(a - b) for a, b in zip(r["clip_sharded_norms"], r["clip_plain_norms"], strict=True)) < 1e-5
+        assert sum(n > jobs.CLIP_NORM for n in r["clip_plain_norms"]) >= jobs.STEPS // 2
+        assert max((a - b).abs().max().item() for a, b in zip(r["clip_sharded"], r["clip_plain"], strict=True)) < 1e-6
+
+
 def test_only_shards_cross_the_replicate_group_and_slowmo_state_is_shard_sized(ranks: list[dict]) -> None:
     total = sum(p.numel() for p in jobs.make_model().parameters())
     for r in ranks:

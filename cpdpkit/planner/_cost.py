@@ -9,7 +9,9 @@ group, the same object the emulator asks, so a plan's bytes equal an emulated ru
 **Partially sharded data parallelism** (``param_sharding = "replicated"``, strategy ``partial``;
 mesh ``(R, S)`` with ``S`` the ranks of a node). Parameters stay whole on every rank; a unit of
 ``n`` elements (``L`` the largest unit, ``root`` the root unit, ``L_b`` the largest other unit;
-``c = ceil(n/S)``, ``d = ceil(c/R) = ceil(n/W)``) is, every step, per rank:
+``c = ceil(n/S)``, ``d = ceil(c/R) = ceil(n/W)``) is, every step, per rank, one reduce-scatter and
+one all-gather over the world group, which the network model prices level by level (the executor
+issues one call each; the phases below are their levels, the same bytes):
 
 * reduce-scattered inside the node (``n`` gradient elements in, ``c`` out: the node slice),
 * reduce-scattered across nodes (the node slice, ``c`` elements, ``d`` out),

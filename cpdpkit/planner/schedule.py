@@ -4,8 +4,8 @@ With optimizer-state sharding across the replicate axis, each replica reduce-sca
 gradient across replicas, updates only its slice, and all-gathers the updated parameters
 across replicas before that unit's next forward. A partial plan (``param_sharding =
 "replicated"``) does the same on the replicate link with each unit's node slice
-(``ceil(numel/S)`` elements): its reduce-scatter and its all-gather across nodes are the
-exchanges scheduled here; the in-node collectives around them run on the fast tier.
+(``ceil(numel/S)`` elements): the cross-node level of its world-group reduce-scatter and
+all-gather is the exchange scheduled here (their in-node level runs on the fast tier).
 
 Issued naively (every all-gather after backward) that exchange is a long tail: the first units'
 gradients are ready last in backward, yet their parameters are needed first in the next
@@ -22,8 +22,8 @@ forward. This module decides, per unit, when its exchange runs on the slow link.
   executors act only in their gradient-ready hooks, so (``at_points``, as :func:`plan_two_stage`
   builds every plan's schedule) a release during backward moves to the first gradient-ready point
   at or after it: the root unit (ready at the end of backward) and the last block before it can
-  never be in stage 1 (the partial executor issues a unit's cross-node reduce-scatter at the next
-  parameter's gradient hook, once its in-node reduce-scatter is done: a layer later, not modeled).
+  never be in stage 1 (the partial executor issues a unit's world-group reduce-scatter at the unit's
+  own gradient-ready point; its in-node level is not modeled here).
 * The next forward runs units in plan order; unit ``u``'s *deadline* is the time its forward
   starts when nothing waits: ``B`` + the forward times of the units before it.
 * Each all-gather's duration is the α-β time of the replicate group's tier plus the tier's fixed

@@ -273,24 +273,14 @@ class SliceExecutor(ExecutorStateMixin):
         """A zeroed reduce-scatter input for ``unit``: its vector goes into the first ``numel`` elements."""
         return torch.zeros(unit.chunk * self._rep_size, dtype=dtype, device=self._device)
 
-    def _grad_ready(self, unit: SliceUnit, send: torch.Tensor, *, clocked: bool = True) -> None:
-        """``unit``'s gradient is ready (its hook): launch its reduce-scatter, then this point's exchanges.
-
-        ``clocked=False``: the caller's own hook clocks the unit's backward and fires the unit's
-        trigger point itself (:meth:`_fire`): the partial executor hands a unit on at the next parameter hook,
-        once its in-node reduce-scatter is done, but the stage-1 exchanges due at a unit's point
-        start at that unit's own hook, as the schedule predicts.
-        """
-        if clocked:
-            self._clock.unit_backward_enter(unit.plan_index, time.perf_counter())
-        if unit.ready:
-            raise PlannerError(f"{type(self).__name__}: a second synced backward before step() (unit {unit.name!r} "
-                               "already has its gradient); call step() after each synced backward, or use "
-                               "set_requires_gradient_sync(False) for the micro-batches that only accumulate")
+    def _grad_ready(self, unit: SliceUnit, send: torch.Tensor) -> None:
+        """``unit``'s gradient is ready (its hook): launch its reduce-scatter, then this point's exchanges."""
+        self._clock.unit_backward_enter(unit.plan_index, time.perf_counter())
+        self._check_first_backward(unit)
         self._begin_backward()
         recv = send.new_empty(unit.chunk)
         with record_function(SHARD.GRAD_REDUCE_SCATTER.label):
-            work = REDUCE_SCATTER(recv, send, op=dist.ReduceOp.AVG, group=self._rep_group, async_op=True)
+            work = self._reduce_scatter(unit, recv, send)
         unit.pending_rs = (work, recv, send)
         unit.ready = True
         if self._outer is not None and self._outer.gradient_sync_due():
@@ -299,9 +289,23 @@ class SliceExecutor(ExecutorStateMixin):
             # rank); a full bucket crosses the sites under the rest of backward.
             self._take_untaken()
             self._untaken.append(unit)
-        if clocked:
-            self._fire(unit.name)
-            self._clock.unit_backward_exit(time.perf_counter())
+        self._fire(unit.name)
+        self._clock.unit_backward_exit(time.perf_counter())
+
+    def _check_first_backward(self, unit: SliceUnit) -> None:
+        if unit.ready:
+            raise PlannerError(f"{type(self).__name__}: a second synced backward before step() (unit {unit.name!r} "
+                               "already has its gradient); call step() after each synced backward, or use "
+                               "set_requires_gradient_sync(False) for the micro-batches that only accumulate")
+
+    def _reduce_scatter(self, unit: SliceUnit, recv: torch.Tensor, send: torch.Tensor) -> Any:
+        """Launch ``unit``'s gradient reduce-scatter (mean) of ``send`` into ``recv`` (its ``chunk``
+        elements): over the replicate group here; the partial executor's over the world group."""
+        return REDUCE_SCATTER(recv, send, op=dist.ReduceOp.AVG, group=self._rep_group, async_op=True)
+
+    def _all_gather(self, unit: SliceUnit, recv: torch.Tensor, send: torch.Tensor) -> Any:
+        """Launch the all-gather of ``unit``'s updated slice ``send`` into ``recv`` (:meth:`_ag_buffer`)."""
+        return ALL_GATHER(recv, send, group=self._rep_group, async_op=True)
 
     def _fire(self, point: str) -> None:
         """The stage-1 exchanges due at gradient-ready point ``point`` (a unit's name)."""
@@ -426,7 +430,7 @@ class SliceExecutor(ExecutorStateMixin):
         send[:unit.hi - unit.lo].copy_(unit.slice_param.detach())
         recv = self._ag_buffer(unit, send)
         with record_function(SHARD.PARAM_ALL_GATHER.label):
-            work = ALL_GATHER(recv, send, group=self._rep_group, async_op=True)
+            work = self._all_gather(unit, recv, send)
         unit.pending_ag = (work, recv, send)
         unit.launched = True
 
@@ -435,9 +439,9 @@ class SliceExecutor(ExecutorStateMixin):
         return send.new_empty(unit.chunk * self._rep_size)
 
     def _finish(self, unit: SliceUnit, *, wait_model: bool = True) -> None:
-        """Wait ``unit``'s pending exchange and hand it to the model; ``wait_model=False`` lets an
-        executor whose hand-back is itself a collective leave that in flight (the partial executor's
-        in-node all-gather, waited by the unit's next forward)."""
+        """Wait ``unit``'s pending exchange and hand it to the model; ``wait_model=False`` (what
+        :meth:`step` passes for the stage-1 units) lets an executor leave the exchange in flight until
+        the unit's next forward (the partial executor, whose all-gather lands in the parameters)."""
         if unit.pending_ag is None:
             return
         work, recv, _send = unit.pending_ag

@@ -5,35 +5,47 @@ The sharding paper's *partial sharding*: every rank keeps the whole model (a pla
 ``nn.Module``, no FSDP2: no forward or backward all-gathers), while each unit's gradient and
 optimizer state are split over all ``W = R·S`` ranks of the plan's ``(replicate, shard)`` mesh
 (``S`` ranks per node on the ``"shard"`` axis, ``R`` nodes on the ``"replicate"`` axis). Per
-unit of ``n`` elements (``c = ceil(n/S)``, ``d = ceil(c/R)``), every step:
+unit of ``n`` elements (``c = ceil(n/S)``, ``d = ceil(c/R)``), every step issues **two
+collectives over the mesh's world group** (mesh rank ``(j, i)`` is its rank ``j·S + i``):
 
 1. **Gradient ready.** The unit is one flat bucket: its parameters are views of ``flat_param``
    and, while a step runs, their gradients views of ``flat_grad`` (autograd accumulates into
    them; no per-parameter copies). A ``register_post_accumulate_grad_hook`` on each parameter
    counts them; the last one is the unit's gradient-ready point.
-2. **Reduce-scatter inside the node** (mean over ``S``, the fast tier, ``async_op=True``,
-   ``grad_reduce_scatter``): rank ``i`` of the node keeps node slice ``i``, elements
-   ``[i·c, (i+1)·c)``. It is waited at the next parameter's gradient hook (a layer later, in
-   hook order, the same on every rank), which hands the node slice on:
-3. **Reduce-scatter of the node slice across nodes** (mean over ``R``, async) and from there
-   the slice pipeline shared with :class:`~cpdpkit.shard.executor.TwoStageExecutor`
-   (:mod:`cpdpkit.shard._slices`): rank ``(j, i)`` owns chunk ``j`` (``d`` elements) of node
-   slice ``i``, the layout :func:`cpdpkit.planner._cost.partial_owned` prices, updates it in
-   fp32 with the inner optimizer (one step of its param group, the bucket's slice) and
-   all-gathers it across nodes; stage 1 during backward at the schedule-derived trigger,
-   stage 2 in :meth:`~PartialShardExecutor.step`; the same exact speculative clipping,
-   ``stats``, ``calibrate()`` and checkpointing. See :mod:`cpdpkit.shard.executor` for the
-   trigger rule, clipping, its memory and the GPU notes.
-4. **All-gather inside the node** (async, fast tier, ``param_all_gather``) of the node slice the
-   cross-node all-gather delivered, straight into ``flat_param`` (the replicated parameters):
-   launched for stage-1 units at the end of ``step()``, for stage-2 units in the unit's forward
-   pre-hook, and waited by the unit's next forward pre-hook.
+2. **One reduce-scatter over the world group** (mean over ``W``, ``async_op=True``,
+   ``grad_reduce_scatter``), launched at that point. Its inputs are ``W`` views of ``flat_grad``,
+   one per rank: rank ``(j, i)`` receives chunk ``j`` (``d`` elements) of node slice ``i``
+   (elements ``[i·c, (i+1)·c)``), the layout :func:`cpdpkit.planner._cost.partial_owned` prices.
+   The network model prices (and the emulator counts) a group spanning nodes hierarchically: a
+   reduce-scatter inside each node, then across nodes on ``1/S`` of the data, all ``S`` ranks of a
+   node sharing its uplink: the same bytes on each link as the two-level scheme of the paper
+   (in-node reduce-scatter, then across nodes), in one collective call instead of two.
+3. From there the slice pipeline shared with
+   :class:`~cpdpkit.shard.executor.TwoStageExecutor` (:mod:`cpdpkit.shard._slices`): the rank
+   updates its chunk in fp32 with the inner optimizer (one step of its param group, the bucket's
+   slice); stage 1 during backward at the schedule-derived trigger, stage 2 in
+   :meth:`~PartialShardExecutor.step`; the same exact speculative clipping, ``stats``,
+   ``calibrate()`` and checkpointing. See :mod:`cpdpkit.shard.executor` for the trigger rule,
+   clipping, its memory and the GPU notes.
+4. **One all-gather over the world group** (async, ``param_all_gather``) of the updated chunks,
+   straight into ``flat_param`` (the replicated parameters) when the chunks tile it (``R·d = c``:
+   ``W`` disjoint output views), else into a buffer copied into ``flat_param`` (``R`` strided
+   copies) when the exchange is waited. It is waited by the unit's next forward pre-hook (stage-1
+   exchanges too: ``step()`` leaves them in flight).
+
+Why one world-group collective and not the two levels (or the in-node pair fused): on these CPU
+ranks every gloo collective costs a fixed ~0.5 ms of CPU (``benchmarks/collective_overhead.py``),
+and the emulator adds an arrival exchange to each; the paper's hierarchical scheme is about the
+load on each link, which the network model's hierarchical pricing of a world group keeps (a
+world collective is what NCCL runs as one call, hierarchically, on a real cluster). Fusing the
+in-node pair would leave three collectives a unit; the world group leaves two, as ZeRO-2's
+reduce-scatter and all-gather.
 
 Per step a rank sends on each link at most what a ring all-reduce of the model sends
 (``2(S-1)/S·M`` in the node, ``2(R-1)/R·M/S`` across nodes, against ``2(W-1)/W·M``): less
 memory without more communication. The constructor broadcasts mesh rank ``(0, 0)``'s
-parameters, so replicas start identical; ``mp_policy`` (bf16) keeps the replicated parameters
-in ``param_dtype`` and the slices as fp32 masters.
+parameters over the world group, so replicas start identical; ``mp_policy`` (bf16) keeps the
+replicated parameters in ``param_dtype`` and the slices as fp32 masters.
 
 Limits: every trainable parameter must receive a gradient in every synced backward on every
 rank (a unit whose parameters are only partly reached is reduced at the end of backward with
@@ -44,7 +56,6 @@ elementwise optimizers only; a bucket is a plan unit (the planner's unit sizes).
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any
 
 import torch
@@ -54,12 +65,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.profiler import record_function
 from torch.utils._pytree import tree_map
 
+from cpdpkit.errors import DistributedSetupError
 from cpdpkit.labels import SHARD
 from cpdpkit.planner.config import PlannerError
 from cpdpkit.planner.plan import ShardingPlan
 from cpdpkit.shard._slices import (
     ALL_GATHER,
-    REDUCE_SCATTER,
     OptimizerFactory,
     SliceExecutor,
     SliceUnit,
@@ -82,14 +93,36 @@ class _Bucket(SliceUnit):
     node_chunk: int  # c = ceil(n / S)
     offset: int  # i·c: where this rank's node slice starts in the flat unit
     flat_param: torch.Tensor  # S·c: the unit's parameters are views of its first n elements
-    flat_grad: torch.Tensor  # S·c: their gradients are views of it while a step runs
+    flat_grad: torch.Tensor  # (S-1)·c + R·d: their gradients are views of its first n elements; the tail stays zero
     grad_views: list[torch.Tensor]
-    node_grad: torch.Tensor  # R·d: [:c] the in-node reduce-scatter's output, the tail stays zero
-    node_param: torch.Tensor  # R·d: the cross-node all-gather's output, [:c] the in-node all-gather's input
-    flat_reduce: torch.Tensor | None  # S·c in reduce_dtype when it differs from param_dtype (one cast per bucket)
+    flat_reduce: torch.Tensor | None  # flat_grad in reduce_dtype when it differs from param_dtype (one cast per bucket)
+    rs_inputs: list[torch.Tensor]  # the world reduce-scatter's inputs: W views (d each) of flat_reduce or flat_grad
+    ag_outputs: list[torch.Tensor] | None  # the world all-gather's outputs when they tile flat_param (R·d == c)
     num_accumulated: int = 0  # parameters whose gradient this backward has accumulated
-    pending_node_rs: Any = None  # the in-node reduce-scatter of this backward, until its hand-on
-    pending_node_ag: Any = None  # the in-node all-gather into flat_param, until the unit's next forward
+
+
+def _world_views(buf: torch.Tensor, s: int, r: int, c: int, d: int) -> list[torch.Tensor]:
+    """The ``W = R·S`` chunks of ``buf`` in world-rank order: rank ``j·S + i`` gets chunk ``j`` of node slice ``i``."""
+    return [buf.narrow(0, i * c + j * d, d) for j in range(r) for i in range(s)]
+
+
+def _exchange_group(who: str, mesh: DeviceMesh) -> Any:
+    """The process group of every rank of ``mesh`` in mesh order (``(j, i)`` is its rank ``j·S + i``)."""
+    ranks = mesh.mesh.flatten().tolist()
+    if ranks == list(range(dist.get_world_size())):
+        group = dist.group.WORLD
+    elif mesh.size(1) == 1:
+        group = mesh.get_group("replicate")
+    elif mesh.size(0) == 1:
+        group = mesh.get_group("shard")
+    else:
+        group = mesh._flatten().get_group()
+    expected = mesh.get_local_rank("replicate") * mesh.size(1) + mesh.get_local_rank("shard")
+    if dist.get_rank(group) != expected:
+        raise DistributedSetupError(f"{who}: the mesh's ranks {ranks} as one group put this rank at "
+                                    f"{dist.get_rank(group)}, not {expected}; build the mesh with init_device_mesh "
+                                    "(or pass mesh=None)")
+    return group
 
 
 class PartialShardExecutor(SliceExecutor):
@@ -128,10 +161,9 @@ class PartialShardExecutor(SliceExecutor):
         self._setup_axes(plan, mesh, max_grad_norm, update_in_backward)
         self._gather_dtype = self._param_dtype
         self.model = model
-        self._shard_group = mesh.get_group("shard")
         self._shard_size = mesh.size(1)
         self._shard_rank = mesh.get_local_rank("shard")
-        self._handing: list[_Bucket] = []  # units whose in-node reduce-scatter runs, in hook order
+        self._world_group = _exchange_group("PartialShardExecutor", mesh)
         buckets = [self._make_unit(*args) for args in units]
         self._broadcast_init([b for b in buckets if b.params])
         self._setup_pipeline(buckets, optimizer_factory)
@@ -170,9 +202,11 @@ class PartialShardExecutor(SliceExecutor):
         m = max(0, min(c, n - offset))  # the real elements of this rank's node slice
         lo, hi = slice_bounds(m, d, self._rep_rank)
         device = params[0].device if params else torch.device("cpu")
+        length = (s - 1) * c + r * d  # the last node slice's last chunk ends here
         flat_param = torch.zeros(s * c, device=device)  # float32 until _lower_params (the slices' masters)
-        flat_grad = torch.zeros(s * c, dtype=self._param_dtype, device=device)
-        low = self._param_dtype != self._reduce_dtype
+        flat_grad = torch.zeros(length, dtype=self._param_dtype, device=device)
+        flat_reduce = (torch.zeros(length, dtype=self._reduce_dtype, device=device)
+                       if self._param_dtype != self._reduce_dtype else None)
         with torch.no_grad():
             for p, piece in zip(params, flat_param[:n].split(numels)):
                 piece.copy_(p.detach().reshape(-1))
@@ -181,21 +215,20 @@ class PartialShardExecutor(SliceExecutor):
         unit = _Bucket(name=name, plan_index=plan_index, modules=modules, params=params, numel=m, chunk=d,
                        lo=lo, hi=hi, slice_param=nn.Parameter(torch.zeros(hi - lo, device=device)), numels=numels,
                        total=n, node_chunk=c, offset=offset, flat_param=flat_param, flat_grad=flat_grad,
-                       grad_views=grad_views, node_grad=torch.zeros(r * d, dtype=self._reduce_dtype, device=device),
-                       node_param=torch.zeros(r * d, dtype=self._param_dtype, device=device),
-                       flat_reduce=torch.zeros(s * c, dtype=self._reduce_dtype, device=device) if low else None)
+                       grad_views=grad_views, flat_reduce=flat_reduce,
+                       rs_inputs=_world_views(flat_grad if flat_reduce is None else flat_reduce, s, r, c, d),
+                       ag_outputs=_world_views(flat_param, s, r, c, d) if r * d == c else None)
         for p, view in zip(params, grad_views):
             p.register_post_accumulate_grad_hook(lambda p, u=unit, v=view: self._on_param_grad(u, p, v))
         return unit
 
     def _broadcast_init(self, buckets: list[_Bucket]) -> None:
         """Every rank of the mesh starts from mesh rank (0, 0)'s parameters (then fills its slices)."""
-        for group in (self._rep_group, self._shard_group):
-            src = dist.get_global_rank(group, 0)
-            with record_function(SHARD.BROADCAST_INIT.label):
-                works = [dist.broadcast(b.flat_param, src=src, group=group, async_op=True) for b in buckets]
-            for work in works:
-                work.wait()
+        src = dist.get_global_rank(self._world_group, 0)
+        with record_function(SHARD.BROADCAST_INIT.label):
+            works = [dist.broadcast(b.flat_param, src=src, group=self._world_group, async_op=True) for b in buckets]
+        for work in works:
+            work.wait()
         with torch.no_grad():
             for b in buckets:
                 b.slice_param.copy_(b.flat_param[b.offset + b.lo:b.offset + b.hi])
@@ -208,6 +241,8 @@ class PartialShardExecutor(SliceExecutor):
                 for p, piece in zip(u.params, low[:u.total].split(u.numels)):
                     p.data = piece.view_as(p)
             u.flat_param = low
+            if u.ag_outputs is not None:
+                u.ag_outputs = _world_views(low, self._shard_size, self._rep_size, u.node_chunk, u.chunk)
         if cast_inputs:
             dtype = self._param_dtype
 
@@ -256,40 +291,23 @@ class PartialShardExecutor(SliceExecutor):
         self._attach(p, view)
         if not self._sync:
             return
-        self._begin_backward()
-        self._hand_on(keep=0)  # a layer after a bucket's last gradient: its in-node reduce-scatter had that long
+        self._begin_backward()  # a unit only partly reached is reduced at the end of backward
         unit.num_accumulated += 1
         if unit.num_accumulated == len(unit.params):
             unit.num_accumulated = 0
             self._on_unit_grad(unit)
 
     def _on_unit_grad(self, unit: _Bucket) -> None:
-        """Launch the bucket's in-node reduce-scatter (handed on across nodes at the next parameter's hook)."""
-        self._clock.unit_backward_enter(unit.plan_index, time.perf_counter())
-        if unit.ready or unit.pending_node_rs is not None:
-            raise PlannerError(f"{type(self).__name__}: a second synced backward before step() (unit {unit.name!r} "
-                               "already has its gradient); call step() after each synced backward, or use "
-                               "set_requires_gradient_sync(False) for the micro-batches that only accumulate")
-        self._begin_backward()
-        grads = unit.flat_grad if unit.flat_reduce is None else unit.flat_reduce.copy_(unit.flat_grad)
-        with record_function(SHARD.GRAD_REDUCE_SCATTER.label):  # in the node, async: mean over S
-            unit.pending_node_rs = REDUCE_SCATTER(unit.node_grad[:unit.node_chunk], grads,
-                                                  op=dist.ReduceOp.AVG, group=self._shard_group, async_op=True)
-        self._hand_on(keep=0)
-        self._handing.append(unit)
-        self._fire(unit.name)  # the exchanges due here: their units were handed on above (this one is carried)
-        self._clock.unit_backward_exit(time.perf_counter())
+        """The bucket's gradient is complete: its world reduce-scatter, then this point's exchanges."""
+        self._check_first_backward(unit)
+        if unit.flat_reduce is not None:
+            unit.flat_reduce[:unit.total].copy_(unit.flat_grad[:unit.total])
+        self._grad_ready(unit, unit.flat_grad if unit.flat_reduce is None else unit.flat_reduce)
 
-    def _hand_on(self, keep: int) -> None:
-        """The buckets whose in-node reduce-scatter was launched before the last ``keep``: wait for it
-        (the fast tier had at least one layer's backward to finish it) and launch the cross-node
-        reduce-scatter of the node slice, in hook order (the same on every rank)."""
-        while len(self._handing) > keep:
-            u = self._handing.pop(0)
-            with record_function(SHARD.GRAD_WAIT.label):
-                u.pending_node_rs.wait()
-            u.pending_node_rs = None
-            self._grad_ready(u, u.node_grad, clocked=False)
+    def _reduce_scatter(self, unit: _Bucket, recv: torch.Tensor, send: torch.Tensor) -> Any:
+        """One reduce-scatter (mean) over the world group: rank ``j·S + i`` gets chunk ``j`` of node slice ``i``."""
+        return dist.reduce_scatter(recv, unit.rs_inputs, op=dist.ReduceOp.AVG, group=self._world_group,
+                                   async_op=True)
 
     def _end_of_backward(self) -> None:
         for u in reversed(self._units):  # units only partly reached by this backward
@@ -298,18 +316,12 @@ class PartialShardExecutor(SliceExecutor):
                 for p, view in zip(u.params, u.grad_views):
                     self._attach(p, view)
                 self._on_unit_grad(u)
-        self._hand_on(keep=0)
         super()._end_of_backward()
 
     def zero_grad(self) -> None:
         super().zero_grad()
         for u in self._units:
             u.num_accumulated = 0
-            if u.pending_node_rs is not None:
-                with record_function(SHARD.GRAD_WAIT.label):
-                    u.pending_node_rs.wait()
-                u.pending_node_rs = None
-        self._handing = []
         self._attach_grads()
 
     def step(self) -> float | None:
@@ -321,19 +333,30 @@ class PartialShardExecutor(SliceExecutor):
 
     # ---- the model side of an exchange ------------------------------------------------------
     def _ag_buffer(self, unit: _Bucket, send: torch.Tensor) -> torch.Tensor:
-        return unit.node_param
+        if unit.ag_outputs is not None:
+            return unit.flat_param  # the all-gather writes the parameters themselves
+        return send.new_empty(unit.chunk * self._rep_size * self._shard_size)
+
+    def _all_gather(self, unit: _Bucket, recv: torch.Tensor, send: torch.Tensor) -> Any:
+        """One all-gather over the world group: into ``flat_param``'s chunks, or into ``recv`` (world-rank order)."""
+        if recv is unit.flat_param:
+            return dist.all_gather(unit.ag_outputs, send, group=self._world_group, async_op=True)
+        return ALL_GATHER(recv, send, group=self._world_group, async_op=True)
 
     def _apply_gathered(self, unit: _Bucket, gathered: torch.Tensor) -> None:
-        with record_function(SHARD.PARAM_ALL_GATHER.label):  # in the node, async: straight into the parameters
-            unit.pending_node_ag = ALL_GATHER(unit.flat_param, gathered[:unit.node_chunk], group=self._shard_group,
-                                              async_op=True)
+        if gathered is unit.flat_param:
+            return
+        s, r, c, d = self._shard_size, self._rep_size, unit.node_chunk, unit.chunk
+        chunks, slices = gathered.view(r, s, d), unit.flat_param.view(s, c)
+        with torch.no_grad():
+            for j in range(r):  # chunk j of every node slice: one strided copy
+                width = min(d, c - j * d)
+                if width > 0:
+                    slices[:, j * d:j * d + width].copy_(chunks[j, :, :width])
 
     def _finish(self, unit: _Bucket, *, wait_model: bool = True) -> None:
-        super()._finish(unit)
-        if wait_model and unit.pending_node_ag is not None:
-            with record_function(SHARD.PARAM_WAIT.label):
-                unit.pending_node_ag.wait()
-            unit.pending_node_ag = None
+        if wait_model:  # step() leaves the stage-1 exchanges in flight: the unit's next forward waits for them
+            super()._finish(unit)
 
     def _model_values(self, unit: _Bucket) -> torch.Tensor:
         return unit.flat_param[unit.offset:unit.offset + unit.numel]

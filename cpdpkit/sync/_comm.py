@@ -105,6 +105,11 @@ class Communicator:
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         return gather(out, tensor, group=self.group, async_op=True)
 
+    def all_to_all_async(self, out: torch.Tensor, tensor: torch.Tensor) -> dist.Work:
+        """Piece r of ``tensor`` (``size`` equal pieces) goes to rank r; piece j of ``out`` comes from rank j."""
+        self._count(tensor)
+        return dist.all_to_all_single(out, tensor, group=self.group, async_op=True)
+
     def average_(self, flats: Sequence[torch.Tensor], cap_bytes: int) -> None:
         """Average flat tensors in place across the group, in buckets of ``cap_bytes``.
 

@@ -23,7 +23,7 @@ import torch
 from cpdpkit.errors import ConfigError
 from cpdpkit.sync._flat import Segment, SegmentedParameters
 
-__all__ = ["split_params", "check_fragments", "FragmentParameters"]
+__all__ = ["split_params", "check_fragments", "FragmentParameters", "fragments_of"]
 
 
 def split_params(sizes: Sequence[int], fragments: int) -> list[list[tuple[int, int, int]]]:
@@ -51,6 +51,17 @@ def check_fragments(fragments: int, num_params: int) -> None:
     if fragments > num_params:
         raise ConfigError(f"fragments={fragments} but the optimizer holds {num_params} parameter(s): pass "
                           f"fragments <= {num_params} (each fragment is about 1/F of the parameters' bytes)")
+
+
+def fragments_of(flat: SegmentedParameters, fragments: int, *, wrapped: str | None) -> list[SegmentedParameters]:
+    """The layout itself, or ``fragments`` slices of it; ``wrapped`` names a model that is not a plain module
+    (``"a DDP-wrapped"``, ``"an FSDP2"``, ``"an executor's"``): fragments are refused for it (before any collective)."""
+    if fragments == 1:
+        return [flat]
+    if wrapped is not None:
+        raise ConfigError(f"fragments={fragments} with {wrapped} model: streaming fragments need a plain module "
+                          "(its gradients in cpdpkit's own buckets); pass the plain module, or fragments=1")
+    return list(FragmentParameters.split(flat, fragments))
 
 
 class FragmentParameters(SegmentedParameters):

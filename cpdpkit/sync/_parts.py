@@ -2,14 +2,17 @@
 
 Without ``fragments`` there is one part, the whole model; with ``fragments=F`` (:mod:`cpdpkit.sync._fragments`)
 there are F, each with its own :class:`~cpdpkit.sync._reconcile.Reconciler` (schedule, staggered by
-:func:`fragment_offset`), gradient buckets and compressed-gradient residuals. :class:`Parts` answers, per part,
-the schedule questions the optimizer's step asks (does step ``n`` all-reduce this part's gradients, does it end
-with this part's average), and holds the checkpoint's per-fragment layout (the one part's state at the top level,
-or each fragment's in ``"fragments"``). It also names the values a replica check compares (:func:`named_values`).
+:func:`fragment_offset`), gradient buckets and compressed-gradient residuals; :meth:`Parts.build` makes them.
+:class:`Parts` answers, per part, the schedule questions the optimizer's step asks (does step ``n`` all-reduce
+this part's gradients, does it end with this part's average), and holds the checkpoint's per-fragment layout
+(the one part's state at the top level, or each fragment's in ``"fragments"``). It also names the values a
+replica check compares (:func:`named_values`).
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -17,11 +20,11 @@ import torch
 
 from cpdpkit.sync._flat import SegmentedParameters
 from cpdpkit.sync._fragments import FragmentParameters
+from cpdpkit.sync._reconcile import Reconciler
 from cpdpkit.sync.config import StepKind, SyncConfig
 
 if TYPE_CHECKING:
     from cpdpkit.sync._grad_buckets import GradientBuckets
-    from cpdpkit.sync._reconcile import Reconciler
 
 __all__ = ["Part", "Parts", "fragment_offset", "named_values"]
 
@@ -35,6 +38,14 @@ class Part:
     buckets: GradientBuckets | None = None
     # cpdp's compressed gradient residuals (``state()``/``load()``): its buckets', or FSDP2's per-unit ones
     grad_feedback: Any = None
+
+    def gradient_pieces(self) -> tuple[list[torch.Tensor], list[tuple[int, int]]] | None:
+        """A fragment's parameters and the element range of each it holds (for its own gradient buckets);
+        ``None`` for the whole model."""
+        if not isinstance(self.flat, FragmentParameters):
+            return None
+        pieces = self.flat.pieces()
+        return [p for p, _, _ in pieces], [(a, b) for _, a, b in pieces]
 
     def state_dict(self) -> dict[str, Any]:
         """Its anchor and SlowMo momentum, its reconciler's state, and cpdp's gradient residuals."""
@@ -64,6 +75,23 @@ class Parts(list[Part]):
     def __init__(self, config: SyncConfig, parts: list[Part]) -> None:
         super().__init__(parts)
         self.config = config
+
+    @classmethod
+    def build(cls, config: SyncConfig, flats: Sequence[SegmentedParameters], *,
+              buffers: Callable[[], list[torch.Tensor]],
+              check: Callable[[SegmentedParameters, int, list[torch.Tensor]], None] | None,
+              **reconciler: Any) -> Parts:
+        """One part per layout in ``flats`` (the whole model, or its fragments), each with its own
+        :class:`~cpdpkit.sync._reconcile.Reconciler` (``reconciler``: its remaining keywords): fragment ``f``
+        staggered by :func:`fragment_offset`, the buffers exchanged with fragment 0's only, and ``check(flat,
+        step, values)`` (the replica check, or None) after each of its reconciliations."""
+        parts = []
+        for index, flat in enumerate(flats):
+            offset = fragment_offset(index, config.fragments, int(config.period)) if config.fragments > 1 else 0
+            on_reconciled = None if check is None else functools.partial(check, flat)
+            parts.append(Part(flat, Reconciler(config, flat, buffers=buffers if index == 0 else list, offset=offset,
+                                               on_reconciled=on_reconciled, **reconciler)))
+        return cls(config, parts)
 
     @property
     def in_flight(self) -> bool:

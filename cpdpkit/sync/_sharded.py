@@ -14,8 +14,11 @@ index). Everything the optimizer sends crosses only that group, and only this ra
   backward. On other steps nothing crosses the replicate group. With a ``compression`` codec, ``cpdp``'s
   synchronous step sends codes instead (one codec per tier: FSDP2's reduce-scatter inside the site stays
   as it is, only the cross-site exchange is encoded): the unit's gradient shard plus its residual (shard-
-  sized, one per unit) is encoded, every rank's code all-gathered over the replicate group and decoded in
-  rank order into the reduce-scatter output, waited for inside the hook.
+  sized, one per unit) is encoded in the hook, every rank's code all-gathered over the replicate group and,
+  under the same proof, waited for and decoded in rank order into the reduce-scatter output in ``step()``
+  (before the proof, inside the hook), so the codes cross the WAN under the rest of backward too. From 3
+  replicas the codes are reduce-scattered instead (:mod:`cpdpkit.sync._code_exchange`: an all-to-all of chunk
+  codes, then an all-gather of the re-encoded chunk means), two rounds of exchanges in ``step()``.
 * **Parameters and SlowMo** (:class:`ShardedParameters`): a reconciliation packs this rank's local
   shards into one buffer per dtype, averages it over the replicate group, runs SlowMo on it and
   unpacks it. SlowMo's anchor and slow momentum are shard-sized: +2 × this rank's parameter shard
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,6 +46,7 @@ from torch.profiler import record_function
 
 from cpdpkit.errors import ConfigError
 from cpdpkit.labels import SYNC
+from cpdpkit.sync._code_exchange import CHUNKED_FROM, ChunkedFeedback
 from cpdpkit.sync._codec import ErrorFeedback
 from cpdpkit.sync._comm import Communicator, group_ranks
 from cpdpkit.sync._flat import SegmentedParameters, build_segments
@@ -191,17 +196,19 @@ class ShardGradientSync:
 
     ``target()`` returns the communicator of the coming step's gradient sync, or ``None`` on a step
     that does not synchronise gradients; ``compressed()`` (with a ``compression``) whether it sends codes.
-    :meth:`finish` (from ``step()``) waits for what was launched. :meth:`state` and :meth:`load` are the
-    compressed exchange's residuals, one per FSDP2 unit (None for a unit that has not sent yet).
+    :meth:`finish` (from ``step()``) waits for what was launched and decodes the codes. :meth:`state` and
+    :meth:`load` are the compressed exchange's residuals, one per FSDP2 unit (None for a unit that has not sent yet).
     """
 
     def __init__(self, model: nn.Module, *, target: Callable[[], Communicator | None], compression: str = "none",
-                 compressed: Callable[[], bool] | None = None) -> None:
+                 compressed: Callable[[], bool] | None = None, replicas: int = 1) -> None:
         from torch.distributed.fsdp import FSDPModule
 
         self._target, self._compression, self._compressed = target, compression, compressed
-        self._feedback: dict[int, ErrorFeedback] = {}  # per unit, created at its first compressed exchange
-        self._pending: list[tuple[Communicator, Any]] = []
+        self._replicas = replicas  # from CHUNKED_FROM replicas on, the codes are reduce-scattered (_code_exchange)
+        self._feedback: dict[int, ErrorFeedback | ChunkedFeedback] = {}  # per unit, made at its first exchange
+        self._pending: list[_Exchange] = []
+        self.defer = True  # False: every exchange waits inside the hook, as before the proof (a test's reference)
         self._checks: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
         self._async_ok = False  # set once a step proved FSDP2's gradients are views of the hook's tensor
         claimed: set[int] = set()
@@ -225,58 +232,129 @@ class ShardGradientSync:
         if comm is None:
             return
         if self._compression != "none" and self._compressed is not None and self._compressed():
-            self._exchange_codes(comm, unit, reduce_output)
+            exchange = self._launch_codes(comm, unit, reduce_output)
+        else:
+            exchange = _Exchange(comm, self._launch_mean(comm, reduce_output))
+        if self.defer and self._async_ok and reduce_output.dtype == own[0].dtype and all(p.grad is None for p in own):
+            self._pending.append(exchange)  # waited (and decoded) in step(): it overlaps the rest of backward
             return
-        with record_function(SYNC.GRAD_ALLREDUCE.label):
-            if reduce_output.dtype in _AVG_DTYPES:
-                work = comm.all_reduce_avg_async(reduce_output)
-            else:  # FSDP2 pre/post-divides such dtypes itself; the replicate mean by dividing first
-                reduce_output.div_(comm.size)
-                work = comm.all_reduce_sum_async(reduce_output)
-        deferred = self._async_ok and reduce_output.dtype == own[0].dtype and all(p.grad is None for p in own)
-        if deferred:
-            self._pending.append((comm, work))
-            return
-        with comm.blocking(SYNC.GRAD_WAIT):
-            comm.wait(work)
+        while exchange is not None:
+            with comm.blocking(SYNC.GRAD_WAIT):
+                comm.wait(exchange.work)
+            exchange = exchange.complete()
         if not self._async_ok:
             self._checks.append((reduce_output, own))
 
-    def _exchange_codes(self, comm: Communicator, unit: int, reduce_output: torch.Tensor) -> None:
-        """``reduce_output`` ← the mean of every replica's decoded code of (it + this unit's residual)."""
+    @staticmethod
+    def _launch_mean(comm: Communicator, reduce_output: torch.Tensor) -> Any:
+        """The replicate group's mean of ``reduce_output``, in place, launched."""
+        with record_function(SYNC.GRAD_ALLREDUCE.label):
+            if reduce_output.dtype in _AVG_DTYPES:
+                return comm.all_reduce_avg_async(reduce_output)
+            # FSDP2 pre/post-divides such dtypes itself; the replicate mean by dividing first
+            reduce_output.div_(comm.size)
+            return comm.all_reduce_sum_async(reduce_output)
+
+    def _launch_codes(self, comm: Communicator, unit: int, reduce_output: torch.Tensor) -> _Exchange:
+        """Launch the exchange of every replica's code of (``reduce_output`` + this unit's residual); completing
+        it writes the mean of the decoded codes (rank order) into ``reduce_output``."""
+        numel = reduce_output.numel()
         feedback = self._feedback.get(unit)
         if feedback is None:
-            feedback = self._feedback[unit] = ErrorFeedback(self._compression, [reduce_output.numel()])
-        elif feedback.codecs[0].numel != reduce_output.numel():
-            raise ConfigError(f"FSDP2 unit {unit}'s gradient shard has {reduce_output.numel()} elements, its "
-                              f"residual {feedback.codecs[0].numel}: load a checkpoint saved with the same sharding")
-        code = feedback.encode_one(0, reduce_output)
+            feedback = self._feedback[unit] = self._new_feedback(numel)
+        elif _numel(feedback) != numel:
+            raise ConfigError(f"FSDP2 unit {unit}'s gradient shard has {numel} elements, its residual "
+                              f"{_numel(feedback)}: load a checkpoint saved with the same sharding")
+        if isinstance(feedback, ChunkedFeedback):
+            return self._launch_chunks(comm, feedback, reduce_output)
+        code = feedback.encode_one(0, reduce_output)  # the residual keeps what the code lost, now
         gathered = torch.empty(comm.size * code.numel(), dtype=torch.uint8)
         with record_function(SYNC.GRAD_ALLREDUCE.label):
             work = comm.all_gather_async(gathered, code)
-        with comm.blocking(SYNC.GRAD_WAIT):
-            comm.wait(work)
-        reduce_output.copy_(feedback.mean_one(0, gathered, comm.size).view_as(reduce_output))
+
+        def decode() -> None:
+            reduce_output.copy_(feedback.mean_one(0, gathered, comm.size).view_as(reduce_output))
+        return _Exchange(comm, work, decode)
+
+    def _new_feedback(self, numel: int) -> ErrorFeedback | ChunkedFeedback:
+        if self._replicas >= CHUNKED_FROM:
+            return ChunkedFeedback(self._compression, numel, self._replicas)
+        return ErrorFeedback(self._compression, [numel])
+
+    @staticmethod
+    def _launch_chunks(comm: Communicator, feedback: ChunkedFeedback, reduce_output: torch.Tensor) -> _Exchange:
+        """The reduce-scatter of codes: the all-to-all of chunk codes now, then (once waited) the chunk mean's
+        re-encoding and the all-gather of every rank's chunk-mean code (:mod:`cpdpkit.sync._code_exchange`)."""
+        send = feedback.encode(reduce_output)
+        received = torch.empty_like(send)
+        with record_function(SYNC.GRAD_ALLREDUCE.label):
+            first = comm.all_to_all_async(received, send)
+
+        def gather() -> _Exchange:
+            code = feedback.reencode(received)
+            gathered = torch.empty(comm.size * code.numel(), dtype=torch.uint8)
+            with record_function(SYNC.GRAD_ALLREDUCE.label):
+                work = comm.all_gather_async(gathered, code)
+
+            def decode() -> None:
+                reduce_output.copy_(feedback.mean(gathered).view_as(reduce_output))
+            return _Exchange(comm, work, decode)
+        return _Exchange(comm, first, gather)
 
     def state(self) -> list[torch.Tensor | None]:
-        return [self._feedback[u].residuals[0].clone() if u in self._feedback else None
-                for u in range(self._num_units)]
+        return [_state(self._feedback[u]) if u in self._feedback else None for u in range(self._num_units)]
 
     def load(self, residuals: list[torch.Tensor | None] | None) -> None:
         self._feedback.clear()
         for unit, residual in enumerate(residuals or ()):
-            if residual is not None:
+            if residual is None:
+                continue
+            if self._replicas < CHUNKED_FROM:
                 feedback = self._feedback[unit] = ErrorFeedback(self._compression, [residual.numel()])
                 feedback.load([residual])
+                continue
+            numel = ChunkedFeedback.numel_of_state(residual.numel(), self._replicas)
+            if numel is None:
+                raise ConfigError(f"checkpoint's gradient residual of FSDP2 unit {unit} has {residual.numel()} "
+                                  f"elements, which fits no shard over {self._replicas} replicas: load a checkpoint "
+                                  "saved with the same model, sharding, number of replicas and compression")
+            self._feedback[unit] = ChunkedFeedback(self._compression, numel, self._replicas)
+            self._feedback[unit].load(residual)
 
+    @torch.no_grad()
     def finish(self) -> None:
-        """Wait for the launched all-reduces; after the first synced step, check the gradients alias them."""
+        """Wait for the launched exchanges and decode the compressed ones into their reduce-scatter outputs; after
+        the first synced step, check that the gradients alias those outputs (the proof that deferring is exact)."""
         pending, self._pending = self._pending, []
-        for comm, work in pending:
-            with comm.blocking(SYNC.GRAD_WAIT):
-                comm.wait(work)
+        while pending:  # one round of exchanges at a time (the reduce-scatter of codes has two)
+            for exchange in pending:
+                with exchange.comm.blocking(SYNC.GRAD_WAIT):
+                    exchange.comm.wait(exchange.work)
+            # local work after every wait: decodes, or a second exchange's encode and launch
+            pending = [then for then in (exchange.complete() for exchange in pending) if then is not None]
         if self._checks:
             checks, self._checks = self._checks, []
             self._async_ok = all(
                 p.grad is not None and _local(p.grad).untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
                 for out, own in checks for p in own)
+
+
+@dataclass
+class _Exchange:
+    """One unit's launched cross-replica exchange: its Work, and what completes it once waited (a decode, or the
+    launch of the next exchange, which :meth:`complete` returns)."""
+
+    comm: Communicator
+    work: Any
+    then: Callable[[], _Exchange | None] | None = None
+
+    def complete(self) -> _Exchange | None:
+        return None if self.then is None else self.then()
+
+
+def _numel(feedback: ErrorFeedback | ChunkedFeedback) -> int:
+    return feedback.numel if isinstance(feedback, ChunkedFeedback) else feedback.codecs[0].numel
+
+
+def _state(feedback: ErrorFeedback | ChunkedFeedback) -> torch.Tensor:
+    return feedback.state() if isinstance(feedback, ChunkedFeedback) else feedback.residuals[0].clone()

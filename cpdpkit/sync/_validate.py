@@ -23,7 +23,8 @@ from cpdpkit.sync.config import SyncConfig
 from cpdpkit.topology import Topology
 
 __all__ = ["STATE_VERSION", "is_executor", "resolve_config", "validate_objects", "validate_groups",
-           "validate_sharded", "validate_executor", "check_params_in_model", "split_checkpoint"]
+           "validate_sharded", "validate_executor", "check_params_in_model", "split_checkpoint",
+           "check_clip_args"]
 
 # 1: {"inner": <inner state dict>, "cpdpkit": ...}; 2: torch's standard dict plus "cpdpkit";
 # 3: "cpdpkit" also holds the schedule, the controller's decisions and a reconciliation in flight;
@@ -225,3 +226,11 @@ def split_checkpoint(state_dict: dict[str, Any], config: SyncConfig, layout: lis
             "saved with the same model and param groups"
         )
     return own, inner_state
+
+
+def check_clip_args(max_norm: Any, norm_type: Any) -> None:
+    """``clip_grad_norm_``'s arguments, before any collective: a positive ``max_norm`` and ``norm_type``."""
+    for name, value, example in (("max_norm", max_norm, "1.0"), ("norm_type", norm_type, "2.0, or float('inf')")):
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or not value > 0:  # NaN fails ``> 0``
+            raise ConfigError(f"clip_grad_norm_ got {name}={value!r}: pass a positive number (e.g. {example})")

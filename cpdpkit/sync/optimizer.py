@@ -53,15 +53,16 @@ from cpdpkit.errors import ConfigError
 from cpdpkit.labels import SYNC
 from cpdpkit.sync._comm import Communicator
 from cpdpkit.sync._flat import FlatParameters, SegmentedParameters
-from cpdpkit.sync._fragments import FragmentParameters
+from cpdpkit.sync._fragments import fragments_of
 from cpdpkit.sync._grad_buckets import GradientBuckets
-from cpdpkit.sync._parts import Part, Parts, fragment_offset, named_values
+from cpdpkit.sync._parts import Part, Parts, named_values
 from cpdpkit.sync._reconcile import STATS_SLOTS, Reconciler
 from cpdpkit.sync._replicas import check_replicas
 from cpdpkit.sync._sharded import ShardedParameters, ShardGradientSync, as_param_layout, is_sharded
 from cpdpkit.sync._state_policies import sync_buffers
 from cpdpkit.sync._validate import (
     STATE_VERSION,
+    check_clip_args,
     check_params_in_model,
     is_executor,
     resolve_config,
@@ -162,8 +163,16 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         self._counts = {"local_steps": 0, "reconciliations": 0, "gradient_syncs": 0}
         self._extra_bytes = 0
         self._no_sync = False
+        self._grads_finished = False  # finish_gradients() ran for the coming step: step() does not finish again
         self._shard_grads: ShardGradientSync | None = None
-        self._parts = Parts(self.config, [self._part(i, flat) for i, flat in enumerate(self._fragments())])
+        # the whole layout, or its fragments (a plain module's only: refused here, before any collective)
+        wrapped = ("a DDP-wrapped" if self._ddp is not None else "an FSDP2" if self._sharded
+                   else "an executor's" if self._executor is not None else None)
+        self._parts = Parts.build(
+            self.config, fragments_of(self._flat, self.config.fragments, wrapped=wrapped), buffers=self._buffers,
+            check=self._check_reconciled if self.config.check_replicas else None, slow=self._slow, world=self._comm,
+            optimizer=self.optim, params=self._params,
+            blocked_s=lambda: sum(c.blocked_s for c in self._communicators()))
         names = {id(p): name for name, p in self._module.named_parameters()}
         self._param_names = {id(p): names.get(id(p), f"#{i}") for i, p in enumerate(self._flat_params())}
         self._after_ran = False
@@ -172,27 +181,6 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         self._start()
 
     # -- construction ----------------------------------------------------------------------
-    def _fragments(self) -> list[SegmentedParameters]:
-        """The layout itself, or ``fragments`` slices of it (plain modules only; checked before any collective)."""
-        fragments = self.config.fragments
-        if fragments == 1:
-            return [self._flat]
-        if self._ddp is not None or self._sharded or self._executor is not None:
-            kind = "a DDP-wrapped" if self._ddp is not None else "an FSDP2" if self._sharded else "an executor's"
-            raise ConfigError(f"fragments={fragments} with {kind} model: streaming fragments need a plain module "
-                              "(its gradients in cpdpkit's own buckets); pass the plain module, or fragments=1")
-        return list(FragmentParameters.split(self._flat, fragments))
-
-    def _part(self, index: int, flat: SegmentedParameters) -> Part:
-        """Fragment ``index``'s reconciler: its stagger, and the buffers only with fragment 0."""
-        cfg = self.config
-        check = (lambda step, values: self._check_reconciled(flat, step, values)) if cfg.check_replicas else None
-        offset = fragment_offset(index, cfg.fragments, int(cfg.period)) if cfg.fragments > 1 else 0
-        return Part(flat, Reconciler(
-            cfg, flat, slow=self._slow, world=self._comm, optimizer=self.optim, params=self._params,
-            buffers=self._buffers if index == 0 else list, offset=offset,
-            blocked_s=lambda: sum(c.blocked_s for c in self._communicators()), on_reconciled=check))
-
     @property
     def _reconciler(self) -> Reconciler:
         """Fragment 0's (the whole model's without fragments): the schedule the step kinds follow."""
@@ -260,15 +248,15 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         elif self._sharded:
             self._shard_grads = ShardGradientSync(self.model, target=self._gradient_target,
                                                   compression=self._grad_compression,
-                                                  compressed=lambda: self._compresses_gradients(self._parts[0]))
+                                                  compressed=lambda: self._compresses_gradients(self._parts[0]),
+                                                  replicas=self._comm.size)
             if self._grad_compression != "none":
                 self._parts[0].grad_feedback = self._shard_grads
         elif self._ddp is None:
             for part in self._parts:  # per fragment: a synchronous step all-reduces its fragment's gradients
-                if isinstance(part.flat, FragmentParameters):
-                    pieces = part.flat.pieces()
-                    part.buckets = self._gradient_buckets(part, [p for p, _, _ in pieces],
-                                                          ranges=[(a, b) for _, a, b in pieces])
+                pieces = part.gradient_pieces()
+                if pieces is not None:
+                    part.buckets = self._gradient_buckets(part, pieces[0], ranges=pieces[1])
                     continue
                 trained = {id(q) for q in self._params}
                 part.buckets = self._gradient_buckets(part, [p for p in self.model.parameters() if id(p) in trained])
@@ -390,14 +378,9 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         n = self._step + 1
         kind = self._reconciler.schedule.kind(n)
         syncs = any(self._parts.syncs_gradients(n, part) for part in self._parts)
-        if self._buckets is not None:
-            for part in self._parts:
-                target = self._gradient_target(part)
-                if target is not None:  # an executor's: the means land in its own gradient tensors
-                    part.buckets.finish(target)  # type: ignore[union-attr]
-        elif self._shard_grads is not None:
-            self._shard_grads.finish()
-        elif self._ddp is not None and syncs:  # DDP's reducer sent them; count its payload
+        self._finish_gradients()  # nothing when finish_gradients() (or clip_grad_norm_) already did
+        self._grads_finished = False
+        if self._ddp is not None and syncs:  # DDP's reducer sent them; count its payload
             self._extra_bytes += self._flat.nbytes
         if syncs:
             self._counts["gradient_syncs"] += 1
@@ -412,6 +395,52 @@ class PeriodicSyncOptimizer(torch.optim.Optimizer):
         self._step = n
         self._arm_next_step()
         return loss
+
+    def _finish_gradients(self) -> None:
+        """Wait for the coming step's gradient exchange and write the means into ``.grad`` (once per step)."""
+        if self._grads_finished:
+            return
+        if self._buckets is not None:
+            for part in self._parts:
+                target = self._gradient_target(part)
+                if target is not None:  # an executor's: the means land in its own gradient tensors
+                    part.buckets.finish(target)  # type: ignore[union-attr]
+        elif self._shard_grads is not None:
+            self._shard_grads.finish()
+        self._grads_finished = True
+
+    def finish_gradients(self) -> None:
+        """Make ``.grad`` what the coming ``step()`` uses, now: on a step that averages gradients, wait for the
+        exchange launched under backward and write the means (what DDP's backward leaves); on a local step
+        nothing happens. ``step()`` then does not wait or average again. Call it after the last backward of
+        the step, on every rank when the step averages gradients (it is the wait of that collective)."""
+        self._refuse_outside_step("finish_gradients")
+        self._finish_gradients()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` on the gradients the coming ``step()`` uses, as DDP + clipping.
+
+        First :meth:`finish_gradients` (so on a gradient-sync step the norm is that of the averaged gradients,
+        the same on every rank; on a local step, of this rank's), then torch's clipping of the optimizer's
+        parameters. Returns the total norm, as torch does; over FSDP2 (DTensor shards) the norm spans the
+        shard group and is returned as a plain tensor, as FSDP1's ``clip_grad_norm_``. Call it between the
+        last backward and ``step()``, on every rank (over FSDP2 the norm is a collective on every step).
+        Calling torch's ``clip_grad_norm_`` directly there instead clips the *local* gradients on a step
+        that averages them: the exchange is still in flight until ``step()``."""
+        check_clip_args(max_norm, norm_type)
+        self._refuse_outside_step("clip_grad_norm_")
+        self._finish_gradients()
+        norm = torch.nn.utils.clip_grad_norm_(self._params, max_norm, norm_type=norm_type)
+        full = getattr(norm, "full_tensor", None)  # a DTensor over FSDP2: the replicated norm as a plain tensor
+        return full() if full is not None else norm
+
+    def _refuse_outside_step(self, what: str) -> None:
+        if self._executor is not None:
+            raise ConfigError(f"{what}() over a {type(self._executor).__name__} is not supported: its slice "
+                              "gradients are averaged inside its step(); clip with the plain path or FSDP2")
+        if self._no_sync:
+            raise ConfigError(f"{what}() inside opt.no_sync(): call it after the last backward of the step, "
+                              "outside the no_sync() block")
 
     def _after_inner_step(self, n: int, kind: StepKind) -> None:
         """What step ``n`` does after the inner update: reconcile, apply an average in flight, buffers."""
