@@ -1,8 +1,9 @@
 """Fast decoding of a batch of trace events with msgspec, straight into columns.
 
 orjson builds a dict holding every field of every event; most of that work is thrown away,
-since the profiler reads only a handful of fields. msgspec decodes each event into a small
-:class:`Event` struct holding just those fields and skips the others without building
+since the profiler reads only a handful of fields. msgspec decodes each complete event into a
+small :class:`Event` struct holding just those fields (a metadata event into :class:`Meta`, any
+other event into its phase alone, by the ``ph`` tag) and skips the others without building
 them. :func:`decode_batch` then gathers the complete (``ph == "X"``) events' fields into
 lists and typed arrays (:class:`EventBatch`), checking on the way everything the checked
 per-event path of :mod:`cpdpkit.profiler.trace` checks.
@@ -18,12 +19,12 @@ from __future__ import annotations
 
 import struct
 from array import array
-from typing import Annotated, Any
+from typing import Annotated, Any, Union
 
 import msgspec
 import orjson
 
-__all__ = ["Event", "EventBatch", "decode_batch", "packed"]
+__all__ = ["Event", "Meta", "EventBatch", "decode_batch", "packed"]
 
 # Bounds that keep msgspec's integers within what orjson returns as int and the columns hold.
 _Int = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
@@ -46,21 +47,39 @@ class Args(msgspec.Struct, gc=False):
     name: Any = None
 
 
-class Event(msgspec.Struct, gc=False):
-    """One trace event, reduced to the fields the profiler reads."""
+class Event(msgspec.Struct, gc=False, tag_field="ph", tag="X"):
+    """One complete (``ph == "X"``) trace event, reduced to the fields the profiler reads; one that
+    lacks a field the checked path requires fails validation (the batch takes the orjson path)."""
 
-    ph: str
-    name: str | None = None
-    ts: float | None = None
-    dur: Annotated[float, msgspec.Meta(ge=0)] | None = None
-    pid: _Int | str | None = None
-    tid: _Int | str | None = None
+    name: str
+    ts: float
+    dur: Annotated[float, msgspec.Meta(ge=0)]
+    pid: _Int | str
+    tid: _Int | str
     cat: str | None = None
     args: Args | None = None
 
 
+class Meta(msgspec.Struct, gc=False, tag_field="ph", tag="M"):
+    """A metadata event: a ``thread_name`` one labels a thread."""
+
+    name: str | None = None
+    pid: _Int | str | None = None
+    tid: _Int | str | None = None
+    args: Args | None = None
+
+
+# Every other phase of the Chrome trace event format: its fields are skipped unread (about a third
+# of a Kineto trace's events are flow events, ``s``/``f``). A phase not listed fails validation and
+# the batch takes the orjson path, which reads it as it reads these: by its ``ph`` alone.
+_OTHER_PHASES = ("B", "E", "I", "i", "C", "b", "n", "e", "S", "T", "p", "F", "s", "t", "f", "P", "N", "O", "D",
+                 "R", "c", "(", ")")
+_Others = tuple(msgspec.defstruct(f"_Phase{i}", [], tag_field="ph", tag=ph, gc=False)
+                for i, ph in enumerate(_OTHER_PHASES))
+
+
 _NO_ARGS = Args()
-_DECODER = msgspec.json.Decoder(list[Event])
+_DECODER = msgspec.json.Decoder(list[Union[(Event, Meta, *_Others)]])  # noqa: UP007 - a runtime union of classes
 
 
 def packed(code: str, values: list[Any]) -> array:
@@ -79,13 +98,11 @@ class EventBatch:
 
     def __init__(self, count: int, xs: list[Event], labels: list[tuple[Any, Any, str]]) -> None:
         self.count = count  # all events of the batch, complete or not
-        self.names: list[str] = [e.name for e in xs]  # type: ignore[misc]
-        self.ts = packed("d", [e.ts for e in xs])  # struct.error on a missing ts or dur
+        self.names: list[str] = [e.name for e in xs]
+        self.ts = packed("d", [e.ts for e in xs])
         self.dur = packed("d", [e.dur for e in xs])
-        self.pids: list[int | str] = [e.pid for e in xs]  # type: ignore[misc]
-        self.tids: list[int | str] = [e.tid for e in xs]  # type: ignore[misc]
-        if None in self.names or None in self.pids or None in self.tids:
-            raise TypeError("a complete event lacks its name, pid or tid")
+        self.pids: list[int | str] = [e.pid for e in xs]
+        self.tids: list[int | str] = [e.tid for e in xs]
         self.cats: list[str | None] = [e.cat for e in xs]
         self.args: list[Args | None] = [e.args for e in xs]
         self.stream = packed("i", [(a or _NO_ARGS).stream for a in self.args])
@@ -109,11 +126,11 @@ def decode_batch(data: bytes) -> EventBatch | list[Any]:
         return orjson.loads(data)
     except msgspec.DecodeError as exc:
         raise ValueError(str(exc)) from None
-    xs = [e for e in events if e.ph == "X"]
+    xs = [e for e in events if type(e) is Event]
     labels = [
         (e.pid, e.tid, e.args.name)
         for e in events
-        if e.ph == "M" and e.name == "thread_name" and e.args is not None and isinstance(e.args.name, str)
+        if type(e) is Meta and e.name == "thread_name" and e.args is not None and isinstance(e.args.name, str)
     ]
     try:
         return EventBatch(len(events), xs, labels)

@@ -10,6 +10,7 @@ own usage errors. ``tests/test_cli_profile_fast.py`` keeps the two option lists 
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -65,6 +66,8 @@ def try_profile(argv: Sequence[str]) -> int | None:
     if parsed is None:
         return None
     debug, args = parsed
+    collecting = gc.isenabled()
+    gc.disable()  # the analysis makes no reference cycles; collections would only walk its batches
     try:
         return run_profile(args)
     except CpdpkitError as exc:
@@ -75,3 +78,6 @@ def try_profile(argv: Sequence[str]) -> int | None:
             traceback.print_exc()
         print(error_line("error", str(exc), sys.stderr), file=sys.stderr)
         return EXIT_USER_ERROR
+    finally:
+        if collecting:
+            gc.enable()
